@@ -1,0 +1,159 @@
+"""Decoder hyper-parameters, read from a Hugging Face ``config.json`` and validated.
+
+Supported: Qwen2 / Qwen2.5 (q/k/v bias, untied head for the larger sizes) and the Llama
+family (Llama, SmolLM2: no biases, often tied embeddings). Anything we do not implement
+(rope scaling types, sliding-window attention, other activations or architectures) raises
+:class:`UnsupportedConfigError` naming the option, instead of silently computing the wrong
+model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+
+
+class UnsupportedConfigError(ValueError):
+    """A model config asks for something this decoder does not implement."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Static shape and numerics of one decoder (hashable: used as a jit static argument).
+
+    Attributes:
+      arch: ``"llama"`` or ``"qwen2"``.
+      vocab_size: rows of the embedding table.
+      hidden_size: model width H.
+      intermediate_size: SwiGLU width.
+      num_layers: decoder blocks (stacked and run with ``lax.scan``).
+      num_heads / num_kv_heads: query heads and key/value heads (GQA: heads % kv_heads == 0).
+      head_dim: per-head width (RoPE rotates all of it).
+      rope_theta: RoPE base frequency.
+      rms_norm_eps: epsilon of every RMSNorm.
+      tie_word_embeddings: the LM head is the transposed embedding table.
+      qkv_bias: q/k/v projections carry a bias (Qwen2; Llama with ``attention_bias``).
+      o_bias: the output projection carries a bias (Llama with ``attention_bias``).
+      max_position_embeddings: longest context the checkpoint was trained for.
+      bos_token_id / eos_token_ids: from the config (tokenizers may add more stop tokens).
+    """
+
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    max_position_embeddings: int = 32768
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.arch not in SUPPORTED_ARCHS:
+            raise UnsupportedConfigError(
+                f"model_type {self.arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"ModelConfig.{name} must be positive, got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def num_params(self) -> int:
+        """Parameter count of the base model (embedding counted once when tied)."""
+        h, f, n = self.hidden_size, self.intermediate_size, self.num_layers
+        attn = h * self.q_size + 2 * h * self.kv_size + self.q_size * h
+        if self.qkv_bias:
+            attn += self.q_size + 2 * self.kv_size
+        if self.o_bias:
+            attn += h
+        layer = attn + 3 * h * f + 2 * h
+        head = 0 if self.tie_word_embeddings else h * self.vocab_size
+        return self.vocab_size * h + n * layer + h + head
+
+    def flops_per_token(self, context: int = 0) -> float:
+        """Forward matmul FLOPs per token (2 per MAC), attention over ``context`` keys included."""
+        h, f, n = self.hidden_size, self.intermediate_size, self.num_layers
+        proj = h * self.q_size + 2 * h * self.kv_size + self.q_size * h + 3 * h * f
+        attn = 2 * self.q_size * context  # q.k and p.v
+        return 2.0 * (n * (proj + attn) + h * self.vocab_size)
+
+    @classmethod
+    def from_hf(cls, hf_config: Any) -> "ModelConfig":
+        """Build from a ``transformers`` config object or a ``config.json`` dict.
+
+        Raises :class:`UnsupportedConfigError` naming the option for what we do not implement.
+        """
+        c: Mapping[str, Any] = hf_config if isinstance(hf_config, Mapping) else hf_config.to_dict()
+        arch = c.get("model_type")
+        if arch not in SUPPORTED_ARCHS:
+            raise UnsupportedConfigError(
+                f"model_type {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHS)})")
+        act = c.get("hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedConfigError(f"hidden_act {act!r} is not supported (only 'silu')")
+        if c.get("mlp_bias"):
+            raise UnsupportedConfigError("mlp_bias=True is not supported")
+        if arch == "qwen2" and c.get("use_sliding_window"):
+            raise UnsupportedConfigError("use_sliding_window=True (sliding-window attention) is not supported")
+        if c.get("sliding_window") and arch != "qwen2":
+            raise UnsupportedConfigError(f"sliding_window={c['sliding_window']} is not supported")
+        theta = _rope_theta(c)
+        h = int(c["hidden_size"])
+        heads = int(c["num_attention_heads"])
+        kv = int(c.get("num_key_value_heads") or heads)
+        head_dim = int(c.get("head_dim") or h // heads)
+        eos = c.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]) if e is not None)
+        attention_bias = bool(c.get("attention_bias", False))
+        return cls(
+            arch=arch,
+            vocab_size=int(c["vocab_size"]),
+            hidden_size=h,
+            intermediate_size=int(c["intermediate_size"]),
+            num_layers=int(c["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=kv,
+            head_dim=head_dim,
+            rope_theta=theta,
+            rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            qkv_bias=True if arch == "qwen2" else attention_bias,
+            o_bias=False if arch == "qwen2" else attention_bias,
+            max_position_embeddings=int(c.get("max_position_embeddings", 32768)),
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+def _rope_theta(c: Mapping[str, Any]) -> float:
+    """RoPE base, refusing scaled variants (transformers 5 ``rope_parameters``, older ``rope_scaling``)."""
+    params = c.get("rope_parameters") or {}
+    scaling = c.get("rope_scaling") or {}
+    for source, d in (("rope_parameters", params), ("rope_scaling", scaling)):
+        kind = d.get("rope_type", d.get("type", "default")) if d else "default"
+        if kind not in ("default", None):
+            raise UnsupportedConfigError(f"{source}.rope_type {kind!r} is not supported (only 'default')")
+    theta = params.get("rope_theta", c.get("rope_theta", 10000.0))
+    return float(theta)
