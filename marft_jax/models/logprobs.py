@@ -1,0 +1,118 @@
+"""Training-side forward: per-token log-probs and entropies of given actions, no ``[B, T, V]``.
+
+The sequence of one (step, row, agent) is ``x = [ctx (L, left-padded) ‖ act (K, right-padded)]``;
+logits at position ``p`` predict token ``p + 1``, so action token ``k`` is predicted at position
+``L - 1 + k`` (reference §2). Log-probs are taken under the sampling temperature ``T``:
+``log_softmax(z / T)[a]``; entropies ``H = logsumexp(z/T) - Σ softmax(z/T)·z/T``.
+
+Logits are formed chunk by chunk over time inside a ``lax.scan`` whose body is wrapped in
+``jax.checkpoint``: peak memory is O(batch·chunk·vocab) in the forward *and* the backward pass.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+
+from marft_jax.models import decoder
+from marft_jax.models.config import ModelConfig
+from marft_jax.models.lora import LoraStack
+
+
+def chunked_logprobs(
+    hidden: jax.Array,
+    head: jax.Array,
+    targets: jax.Array,
+    temperature: float | jax.Array = 1.0,
+    chunk: int = 128,
+) -> tuple[jax.Array, jax.Array]:
+    """Log-prob of ``targets`` and full-vocabulary entropy, chunked over time.
+
+    Args:
+      hidden: ``[batch, time, H]`` last-layer hidden states at the predicting positions.
+      head: ``[H, vocab]`` LM-head matrix.
+      targets: ``[batch, time]`` int32 token predicted at each position.
+      temperature: sampling temperature T (> 0).
+      chunk: positions per chunk (the time axis is padded to a multiple of it).
+    Returns:
+      ``(logp, entropy)``, both ``[batch, time]`` float32.
+    """
+    chex.assert_rank(hidden, 3)
+    chex.assert_rank(targets, 2)
+    b, t, h = hidden.shape
+    chunk = max(1, min(chunk, t))
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    hid = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, h).swapaxes(0, 1)
+    tgt = jnp.pad(targets, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)
+    inv_t = 1.0 / jnp.asarray(temperature, jnp.float32)
+
+    @jax.checkpoint
+    def one(hc, tc):
+        z = jnp.einsum("bch,hv->bcv", hc, head.astype(hc.dtype), preferred_element_type=jnp.float32) * inv_t
+        lse = jax.nn.logsumexp(z, axis=-1)
+        picked = jnp.take_along_axis(z, tc[..., None], axis=-1)[..., 0]
+        ent = lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
+        return picked - lse, ent
+
+    def body(_, xs):
+        return None, one(*xs)
+
+    _, (logp, ent) = jax.lax.scan(body, None, (hid, tgt))
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+    return unchunk(logp), unchunk(ent)
+
+
+def concat_context_action(ctx_tokens, ctx_valid, act_tokens, act_valid):
+    """``[B, L] ‖ [B, K] -> [B, L + K]`` tokens and validity (left-padded ctx, right-padded act)."""
+    return (jnp.concatenate([ctx_tokens, act_tokens], axis=1),
+            jnp.concatenate([ctx_valid, act_valid], axis=1))
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "chunk", "remat"))
+def action_logprobs(
+    params: decoder.Params,
+    lora: LoraStack | None,
+    agent: jax.Array,
+    ctx_tokens: jax.Array,
+    ctx_valid: jax.Array,
+    act_tokens: jax.Array,
+    act_valid: jax.Array,
+    temperature: jax.Array | float,
+    *,
+    cfg: ModelConfig,
+    chunk: int = 128,
+    remat: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Per-token log-probs and entropies of the actions under base + the agent's LoRA.
+
+    Args:
+      ctx_tokens, ctx_valid: ``[batch, L]`` left-padded contexts.
+      act_tokens, act_valid: ``[batch, K]`` right-padded actions (``valid`` from lengths).
+      agent: int32 scalar or ``[batch]`` adapter index.
+    Returns:
+      ``(logp, entropy)`` ``[batch, K]`` float32, zero where ``act_valid`` is False.
+    """
+    return action_logprobs_fn(params, lora, agent, ctx_tokens, ctx_valid, act_tokens, act_valid,
+                              temperature, cfg=cfg, chunk=chunk, remat=remat)
+
+
+def action_logprobs_fn(params, lora, agent, ctx_tokens, ctx_valid, act_tokens, act_valid,
+                       temperature, *, cfg: ModelConfig, chunk: int = 128, remat: bool = False):
+    """Un-jitted body of :func:`action_logprobs` (for use inside larger jitted programs)."""
+    chex.assert_equal_shape([ctx_tokens, ctx_valid])
+    chex.assert_equal_shape([act_tokens, act_valid])
+    L, K = ctx_tokens.shape[1], act_tokens.shape[1]
+    tokens, valid = concat_context_action(ctx_tokens, ctx_valid, act_tokens, act_valid)
+    hidden, _ = decoder.forward(params, tokens, valid, cfg=cfg, lora=lora, agent=agent, remat=remat)
+    pred = jax.lax.dynamic_slice_in_dim(hidden, L - 1, K, axis=1)  # positions L-1 .. L+K-2
+    logp, ent = chunked_logprobs(pred, decoder.lm_head(params, cfg), act_tokens, temperature, chunk)
+    return jnp.where(act_valid, logp, 0.0), jnp.where(act_valid, ent, 0.0)
+
+
+def hidden_at(hidden: jax.Array, positions: jax.Array) -> jax.Array:
+    """Gather hidden states: ``[B, T, H]`` at ``positions [B, P]`` -> ``[B, P, H]``."""
+    return jnp.take_along_axis(hidden, positions[..., None], axis=1)

@@ -1,0 +1,263 @@
+"""The canonical axis order of trajectory arrays, written once.
+
+Every trajectory array is ``[step, batch, agent, token]`` (token level), ``[step, batch, agent]``
+(action level) or ``[step, batch]`` (per step), optionally followed by feature axes (e.g.
+``hidden``). The step axis is always present (S = 1 for single-step tasks).
+
+Backups read one row (= one episode) as a single sequence of decision points in *execution
+order* step -> agent -> token. :func:`flatten_decisions` / :func:`unflatten_decisions` are the
+only place that reshape/transpose is written; :func:`flatten_agent_sequences` /
+:func:`unflatten_agent_sequences` are the only place the per-agent (independent PPO) view is
+written. Flat row ``r`` of the per-agent view is ``(batch r // N, agent r % N)``.
+
+Masks are derived from lengths / ``act_mask``, never by comparing token ids with a pad id.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import chex
+import jax
+import jax.numpy as jnp
+
+# Axis names and positions of the canonical layout.
+STEP, BATCH, AGENT, TOKEN = "step", "batch", "agent", "token"
+STEP_AXIS, BATCH_AXIS, AGENT_AXIS, TOKEN_AXIS = 0, 1, 2, 3
+
+STEP_AXES: tuple[str, ...] = (STEP, BATCH)                       # [S, B]
+ACTION_AXES: tuple[str, ...] = (STEP, BATCH, AGENT)              # [S, B, N]
+TOKEN_AXES: tuple[str, ...] = (STEP, BATCH, AGENT, TOKEN)        # [S, B, N, K]
+
+LEVELS = ("action", "token")
+
+
+def _num_decision_axes(level: str) -> int:
+    """Axes of a decision point besides batch: action (step, agent), token (step, agent, token)."""
+    if level == "action":
+        return 2
+    if level == "token":
+        return 3
+    raise ValueError(f"level must be one of {LEVELS}, got {level!r}")
+
+
+def level_of(x: jax.Array | Any, *, trailing: int = 0) -> str:
+    """``"action"`` for a ``[S, B, N, *trailing]`` array, ``"token"`` for ``[S, B, N, K, *trailing]``."""
+    rank = jnp.ndim(x) - trailing
+    if rank == 3:
+        return "action"
+    if rank == 4:
+        return "token"
+    raise ValueError(f"expected rank 3 (action) or 4 (token) plus {trailing} trailing axes, "
+                     f"got shape {jnp.shape(x)}")
+
+
+def assert_layout(
+    x: jax.Array | Any,
+    name: str,
+    axes: Sequence[str],
+    *,
+    sizes: Mapping[str, int] | None = None,
+    dtype: Any = None,
+) -> dict[str, int]:
+    """Asserts that ``x`` has one axis per name in ``axes`` (e.g. :data:`TOKEN_AXES`).
+
+    Args:
+      x: the array to check.
+      name: the array's name, used in the error message.
+      axes: axis names in order, e.g. ``TOKEN_AXES`` or ``(*ACTION_AXES, "hidden")``.
+      sizes: optional ``{axis name: size}``; every axis of ``x`` whose name appears there must
+        have that size (pass the dict returned by an earlier call to check consistency).
+      dtype: optional dtype or dtype kind accepted by ``chex.assert_type`` (``jnp.floating``,
+        ``bool``, ``jnp.integer``, ``jnp.float32``...).
+
+    Returns:
+      ``{axis name: size}`` of ``x``, merged over ``sizes``.
+
+    Raises:
+      AssertionError naming ``name`` on a rank, size or dtype mismatch. Works under ``jit``
+      (shapes and dtypes are static).
+    """
+    axes = tuple(axes)
+    known = dict(sizes or {})
+    expected = tuple(known.get(a) for a in axes)
+    try:
+        chex.assert_rank(x, len(axes))
+        chex.assert_shape(x, expected)
+        if dtype is not None:
+            chex.assert_type(x, dtype)
+    except AssertionError as err:
+        raise AssertionError(
+            f"{name}: expected axes {list(axes)} with sizes {dict(zip(axes, expected))}"
+            f"{'' if dtype is None else f' and dtype {dtype}'}, got shape {jnp.shape(x)} "
+            f"dtype {jnp.result_type(x)} ({err})") from None
+    known.update(zip(axes, jnp.shape(x)))
+    return known
+
+
+# ----------------------------------------------------------------------------------------------
+# Execution-order flattening (MARFT backups).
+
+
+def flatten_decisions(x: jax.Array, level: str = "token") -> jax.Array:
+    """Per-row sequences of decision points in execution order step -> agent -> token.
+
+    Args:
+      x: ``[S, B, N, K, *rest]`` (token level) or ``[S, B, N, *rest]`` (action level).
+      level: ``"token"`` or ``"action"``.
+
+    Returns:
+      ``[B, P, *rest]`` with ``P = S*N*K`` (token) or ``S*N`` (action); flat index
+      ``p = (s*N + i)*K + k`` (token) or ``s*N + i`` (action). Same dtype.
+    """
+    d = _num_decision_axes(level)
+    shape = jnp.shape(x)
+    if len(shape) < d + 1:
+        raise ValueError(f"flatten_decisions({level}): rank {len(shape)} < {d + 1}")
+    x = jnp.moveaxis(x, BATCH_AXIS, 0)                       # [B, S, N, (K), *rest]
+    b = shape[BATCH_AXIS]
+    dec = (shape[0],) + tuple(shape[2:d + 1])
+    p = 1
+    for n in dec:
+        p *= n
+    return x.reshape((b, p) + tuple(shape[d + 1:]))
+
+
+def unflatten_decisions(x: jax.Array, decision_shape: Sequence[int]) -> jax.Array:
+    """Inverse of :func:`flatten_decisions`.
+
+    Args:
+      x: ``[B, P, *rest]``.
+      decision_shape: ``(S, N, K)`` (token level) or ``(S, N)`` (action level), ``P`` = product.
+
+    Returns:
+      ``[S, B, N, K, *rest]`` or ``[S, B, N, *rest]``.
+    """
+    decision_shape = tuple(int(n) for n in decision_shape)
+    if len(decision_shape) not in (2, 3):
+        raise ValueError(f"decision_shape must be (S, N) or (S, N, K), got {decision_shape}")
+    shape = jnp.shape(x)
+    x = x.reshape((shape[0],) + decision_shape + tuple(shape[2:]))   # [B, S, N, (K), *rest]
+    return jnp.moveaxis(x, 0, BATCH_AXIS)
+
+
+def flatten_steps(x: jax.Array) -> jax.Array:
+    """``[S, B, *rest]`` -> ``[B, S, *rest]``: per-row view of a per-step array."""
+    return jnp.moveaxis(x, STEP_AXIS, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-agent flattening (independent PPO: agent i at step s links to agent i at step s+1).
+
+
+def flatten_agent_sequences(x: jax.Array, level: str = "token") -> jax.Array:
+    """Per-(row, agent) sequences over the agent's own decision points, step -> token.
+
+    Args:
+      x: ``[S, B, N, K, *rest]`` (token) or ``[S, B, N, *rest]`` (action).
+
+    Returns:
+      ``[B*N, P_i, *rest]`` with ``P_i = S*K`` (token) or ``S`` (action); flat row
+      ``r = b*N + i``, flat index ``q = s*K + k`` (token) or ``s`` (action).
+    """
+    d = _num_decision_axes(level)
+    shape = jnp.shape(x)
+    s, b, n = shape[0], shape[1], shape[2]
+    k = shape[3] if d == 3 else 1
+    rest = tuple(shape[d + 1:])
+    x = x.reshape((s, b, n, k) + rest)
+    x = jnp.moveaxis(x, (1, 2), (0, 1))                     # [B, N, S, K, *rest]
+    return x.reshape((b * n, s * k) + rest)
+
+
+def unflatten_agent_sequences(x: jax.Array, decision_shape: Sequence[int]) -> jax.Array:
+    """Inverse of :func:`flatten_agent_sequences`.
+
+    Args:
+      x: ``[B*N, P_i, *rest]``.
+      decision_shape: ``(S, N, K)`` (token level) or ``(S, N)`` (action level).
+    """
+    decision_shape = tuple(int(n) for n in decision_shape)
+    if len(decision_shape) not in (2, 3):
+        raise ValueError(f"decision_shape must be (S, N) or (S, N, K), got {decision_shape}")
+    s, n = decision_shape[0], decision_shape[1]
+    k = decision_shape[2] if len(decision_shape) == 3 else 1
+    shape = jnp.shape(x)
+    rest = tuple(shape[2:])
+    b = shape[0] // n
+    x = x.reshape((b, n, s, k) + rest)
+    x = jnp.moveaxis(x, (0, 1), (1, 2))                     # [S, B, N, K, *rest]
+    if len(decision_shape) == 2:
+        x = x.reshape((s, b, n) + rest)
+    return x
+
+
+def agent_rows(x: jax.Array, num_agents: int) -> jax.Array:
+    """``[S, B, *rest]`` per-step array -> ``[B*N, S, *rest]``, repeated for each agent's row."""
+    x = jnp.moveaxis(x, STEP_AXIS, 1)                       # [B, S, *rest]
+    b = x.shape[0]
+    x = jnp.broadcast_to(x[:, None], (b, num_agents) + x.shape[1:])
+    return x.reshape((b * num_agents,) + x.shape[2:])
+
+
+# ----------------------------------------------------------------------------------------------
+# Decision-point masks.
+
+
+def token_decision_mask(act_mask: jax.Array, step_mask: jax.Array) -> jax.Array:
+    """Token-level decision points: ``act_mask & step_mask``.
+
+    Args:
+      act_mask: ``[S, B, N, K]`` bool, ``act_mask[..., k] = k < K_{s,b,i}``.
+      step_mask: ``[S, B]`` bool, step played.
+
+    Returns:
+      ``[S, B, N, K]`` bool.
+    """
+    return jnp.logical_and(act_mask.astype(bool), step_mask.astype(bool)[:, :, None, None])
+
+
+def action_decision_mask(act_mask: jax.Array, step_mask: jax.Array) -> jax.Array:
+    """Action-level decision points: step played and the agent produced >= 1 token.
+
+    Args:
+      act_mask: ``[S, B, N, K]`` bool.
+      step_mask: ``[S, B]`` bool.
+
+    Returns:
+      ``[S, B, N]`` bool.
+    """
+    return jnp.logical_and(jnp.any(act_mask.astype(bool), axis=-1),
+                           step_mask.astype(bool)[:, :, None])
+
+
+def lengths_to_mask(lengths: jax.Array, max_len: int) -> jax.Array:
+    """``[...]`` int lengths -> ``[..., max_len]`` bool, ``mask[..., k] = k < length``."""
+    return jnp.arange(max_len, dtype=jnp.int32) < jnp.asarray(lengths)[..., None]
+
+
+def last_played_step(step_mask: jax.Array) -> jax.Array:
+    """Index of the last played step of each row.
+
+    Args:
+      step_mask: ``[S, B]`` bool.
+
+    Returns:
+      ``[B]`` int32, ``-1`` for a row with no played step.
+    """
+    s = jnp.arange(step_mask.shape[0], dtype=jnp.int32)[:, None]
+    return jnp.max(jnp.where(step_mask.astype(bool), s, -1), axis=0)
+
+
+def at_last_played_step(x: jax.Array, step_mask: jax.Array) -> jax.Array:
+    """``x[s*_b, b]`` for a ``[S, B, *rest]`` array, s* = last played step; zeros/False if none.
+
+    Returns:
+      ``[B, *rest]``, dtype of ``x``.
+    """
+    s_star = last_played_step(step_mask)                    # [B]
+    onehot = jnp.arange(x.shape[0])[:, None] == s_star[None, :]   # [S, B]
+    onehot = onehot.reshape(onehot.shape + (1,) * (x.ndim - 2))
+    if x.dtype == jnp.bool_:
+        return jnp.any(jnp.logical_and(onehot, x), axis=0)
+    return jnp.sum(jnp.where(onehot, x, jnp.zeros((), x.dtype)), axis=0)
