@@ -19,46 +19,48 @@ started through a small trusted bootstrap (``python -I -S -c ...``, no ``preexec
 safe to call from a multi-threaded process such as a JAX trainer) that applies the limits
 below and then ``execve``-s the interpreter on the program.
 
-What is enforced where:
+What is enforced where ("userns" = only where unprivileged user namespaces are allowed; the
+bootstrap then maps the caller's uid into a new user namespace and gets the same network,
+mount and IPC isolation as root):
 
-===========================  ============================  ===================  ============
-protection                   Linux, parent is root         Linux, not root      other POSIX
-===========================  ============================  ===================  ============
-wall timeout, kill group      yes (SIGKILL to the group)    yes                  yes
-output cap (stdout, stderr)   yes                           yes                  yes
-stripped environment          yes                           yes                  yes
-own temp dir, removed after   yes                           yes                  yes
-RLIMIT_CPU / AS / FSIZE /     yes                           yes                  best effort
-NOFILE / CORE=0                                                                  (macOS ignores AS)
-unprivileged uid              yes: a uid of its own per     no (runs as the      no
-                              concurrent run, from a pool   caller)
-                              (``uid_base`` ...), gid too,
-                              no supplementary groups
-RLIMIT_NPROC                  yes (per run, thanks to the   counts all of the    best effort
-                              private uid)                  caller's processes:
-                                                            set to current + N
-no network                    yes: new network namespace    only if user         no
-                              (loopback down)               namespaces allow it
-                                                            (usually not)
-private /tmp, /var/tmp,       yes: new mount namespace,     no                   no
+============================  ===========================  =====================  ===========
+protection                    Linux, parent is root        Linux, not root        other POSIX
+============================  ===========================  =====================  ===========
+wall timeout, kill the group  yes (SIGKILL)                yes                    yes
+output cap (stdout, stderr)   yes                          yes                    yes
+stripped environment          yes                          yes                    yes
+own temp dir, removed after   yes                          yes                    yes
+RLIMIT_CPU/AS/FSIZE/NOFILE,   yes                          yes                    best effort
+CORE=0                                                                            (macOS: no AS)
+unprivileged uid              yes: a uid of its own per    no (runs as the        no
+                              concurrent run from a pool   caller)
+                              (``uid_base`` ...), same
+                              gid, no supplementary groups
+RLIMIT_NPROC                  yes, per run (private uid)   counts all the         best effort
+                                                           caller's processes:
+                                                           set to current + N
+no network                    yes: new network namespace   userns                 no
+                              (even loopback is down)
+private /tmp, /var/tmp,       yes: new mount namespace,    userns                 no
 /dev/shm, /run/lock           size-limited noexec tmpfs
-                              (``disk_bytes`` each); the
-                              run directory lives there
-private IPC (SysV, mqueue)    yes: new IPC namespace        no                   no
-no_new_privs, parent-death    yes                           yes                  no
+                              (``disk_bytes`` each) that
+                              also holds the run directory
+private IPC (SysV, mqueue)    yes: new IPC namespace       userns                 no
+no_new_privs, parent-death    yes                          yes                    no
 SIGKILL
-kill escaped descendants      every process of the run's    processes of the     group only
-                              private uid (double-forked    group/session or
-                              daemons included)             carrying the run's
-                                                            token in their
-                                                            environment
-===========================  ============================  ===================  ============
+kill escaped descendants      every process of the run's   the caller's           group only
+(double-forked daemons)       private uid                  processes in the
+                                                           group or session or
+                                                           carrying the run's
+                                                           token in their
+                                                           environment
+============================  ===========================  =====================  ===========
 
 Non-POSIX systems (Windows) get only the timeout, output cap, environment and temp dir. With
 a root parent the files of other users and of root are protected by ordinary permissions
 (the program runs as an unprivileged uid that owns nothing but its run directory); without
-root, the program can read and write whatever the caller can, and the only disk limit is
-RLIMIT_FSIZE per file. The program's interpreter must be reachable by the unprivileged uid:
+root, the program can read and write whatever the caller can (inside a user namespace, /tmp
+and friends are private tmpfs; otherwise the only disk limit is RLIMIT_FSIZE per file). The program's interpreter must be reachable by the unprivileged uid:
 ``sys.executable`` is used if it is, otherwise a system ``python3`` (``enforced["python"]``
 names the one used). Processes are recognised by /proc, so descendants are found on Linux only.
 
@@ -112,7 +114,9 @@ class SandboxConfig:
       max_open_files: RLIMIT_NOFILE.
       output_limit_bytes: cap on captured stdout and on captured stderr (each).
       isolate_network: put the program in an empty network namespace when possible.
-      drop_privileges: when the parent is root, run as an unprivileged uid of its own.
+      drop_privileges: when the parent is root, run as an unprivileged uid of its own; if that
+        is impossible, runs raise ``SandboxError`` rather than run as root (``False`` = accept
+        running as root, with every other protection).
       python: interpreter for the program; ``None`` = ``sys.executable`` if the sandbox uid can
         run it, else a system ``python3``.
       uid_base, uid_pool: the sandbox uids are ``uid_base ... uid_base + uid_pool - 1``, one per
@@ -240,10 +244,30 @@ for name in cfg["files"]:
     with open(name, "rb") as f:
         files[name] = f.read()
 workdir = os.getcwd()
-rep["netns"] = bool(cfg["netns"]) and unshare(0x40000000)
-rep["ipcns"] = bool(cfg["mountns"]) and unshare(0x08000000)
+NEWNS, NEWIPC, NEWNET, NEWUSER = 0x00020000, 0x08000000, 0x40000000, 0x10000000
+mntns = False
+rep["netns"] = rep["ipcns"] = rep["userns"] = False
+if cfg["root"]:
+    rep["netns"] = bool(cfg["netns"]) and unshare(NEWNET)
+    rep["ipcns"] = unshare(NEWIPC)
+    mntns = unshare(NEWNS)
+elif cfg["userns"]:
+    euid, egid = os.geteuid(), os.getegid()
+    if unshare(NEWUSER | NEWNS | NEWIPC | (NEWNET if cfg["netns"] else 0)):
+        try:
+            for path, text in (("/proc/self/setgroups", "deny"),
+                               ("/proc/self/uid_map", "%d %d 1" % (euid, euid)),
+                               ("/proc/self/gid_map", "%d %d 1" % (egid, egid))):
+                with open(path, "w") as f:
+                    f.write(text)
+        except OSError as e:
+            rep["error"] = "user namespace set up failed: %s" % e
+            report_and_close()
+            os._exit(111)
+        rep["userns"] = rep["ipcns"] = mntns = True
+        rep["netns"] = bool(cfg["netns"])
 mounted = []
-if cfg["mountns"] and unshare(0x00020000):
+if mntns:
     # MS_REC | MS_PRIVATE on /: nothing mounted below can propagate to the host.
     if libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) == 0:
         for path in cfg["tmpfs"]:
@@ -289,8 +313,12 @@ rep["uid"] = None
 if uid is not None:
     try:
         os.setgroups([])
-        os.setresgid(gid, gid, gid)
-        os.setresuid(uid, uid, uid)
+        if hasattr(os, "setresuid"):
+            os.setresgid(gid, gid, gid)
+            os.setresuid(uid, uid, uid)
+        else:
+            os.setgid(gid)
+            os.setuid(uid)
         rep["uid"] = uid
     except OSError as e:
         rep["error"] = "cannot drop privileges to uid %d: %s" % (uid, e)
@@ -322,6 +350,7 @@ _RUNTIME_LOCK = threading.Lock()
 class _Runtime:
     python: str
     uid_pool: tuple[int, ...]   # empty = run as the caller
+    userns: bool                # not root: try a user namespace (net, mount, IPC isolation)
     notes: tuple[str, ...]
 
 
@@ -356,28 +385,46 @@ def _runtime(config: SandboxConfig) -> _Runtime:
         if _uids_mappable(lo, hi):
             pool = tuple(range(lo, hi))
         else:
-            notes.append(f"uids {lo}..{hi - 1} are not mapped here; running as root "
-                         "(set sandbox.uid_base)")
+            raise SandboxError(f"refusing to run untrusted code as root: sandbox uids "
+                               f"{lo}..{hi - 1} are not mapped in this user namespace (set "
+                               "sandbox.uid_base, or drop_privileges=False to accept root)")
     candidates = [config.python] if config.python else [
         sys.executable, getattr(sys, "_base_executable", None),
         shutil.which("python3", path="/usr/local/bin:/usr/bin:/bin")]
     candidates = list(dict.fromkeys(c for c in candidates if c))
+    probe_cfg = dataclasses.replace(config, timeout_s=10.0, cpu_s=10.0)
+
+    def works(rt: _Runtime) -> str | None:
+        """None if a trivial program runs under ``rt``, else why not."""
+        try:
+            res = _run(rt, "print('ok')\n", "", probe_cfg)
+        except SandboxError as e:
+            return str(e)
+        if res.status == "ok" and res.stdout.strip() == "ok":
+            return None
+        return f"{res.status}: {res.stderr.strip()[-200:]}"
+
     chosen = None
     if pool:
-        probe_cfg = dataclasses.replace(config, timeout_s=10.0, cpu_s=10.0)
         for cand in candidates:
-            res = _run(cand, pool, "print('ok')\n", "", probe_cfg, ())
-            if res.status == "ok" and res.stdout.strip() == "ok":
+            why = works(_Runtime(cand, pool, False, ()))
+            if why is None:
                 chosen = cand
                 break
-            notes.append(f"{cand} cannot run as the sandbox uid ({res.status}: "
-                         f"{res.stderr.strip()[-200:]})")
+            notes.append(f"{cand} cannot run as the sandbox uid ({why[-120:]})")
         if chosen is None:
-            notes.append("no interpreter usable by the sandbox uid; running as root")
-            pool = ()
+            raise SandboxError("refusing to run untrusted code as root: no interpreter is "
+                               f"usable by the sandbox uid ({'; '.join(notes)}); set "
+                               "sandbox.python, or drop_privileges=False to accept root")
     if chosen is None:
         chosen = candidates[0] if candidates else sys.executable
-    rt = _Runtime(python=chosen, uid_pool=pool, notes=tuple(notes))
+    userns = False
+    if _IS_LINUX and not _is_root():
+        why = works(_Runtime(chosen, (), True, ()))
+        userns = why is None
+        if not userns:
+            notes.append(f"no user namespace ({why}): network and /tmp are shared")
+    rt = _Runtime(python=chosen, uid_pool=pool, userns=userns, notes=tuple(notes))
     with _RUNTIME_LOCK:
         _RUNTIME_CACHE[key] = rt
     return rt
@@ -451,15 +498,18 @@ def _has_token(pid: int, token: bytes) -> bool:
         return False
 
 
-def _kill_leftovers(pgid: int, uid: int | None, token: bytes) -> int:
-    """SIGKILL the group and every escaped descendant; returns how many were found."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
+def _kill_leftovers(pgid: int | None, uid: int | None, token: bytes) -> int:
+    """SIGKILL the group and every escaped descendant: with a private ``uid`` every process of
+    that uid, otherwise the caller's processes in the group or session ``pgid`` or carrying
+    ``token`` in their environment. Returns how many were found beyond the group."""
+    if pgid is not None and pgid > 1:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (OSError, AttributeError):
+            pass
     if not _IS_LINUX:
         return 0
-    me, found = os.getpid(), 0
+    me, found = os.getpid(), set()
     for _ in range(200):
         victims = []
         for pid, puid, state, pgrp, session in _proc_entries():
@@ -473,15 +523,15 @@ def _kill_leftovers(pgid: int, uid: int | None, token: bytes) -> int:
             if hit:
                 victims.append(pid)
         if not victims:
-            return found
-        found += len(victims)
+            return len(found)
+        found.update(victims)
         for pid in victims:
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
         time.sleep(0.01)
-    return found
+    return len(found)
 
 
 def _remove_tree(path: str) -> None:
@@ -542,10 +592,9 @@ def _rlimits(config: SandboxConfig, uid: int | None) -> dict[str, tuple[int, int
     return limits
 
 
-def _run(python: str, pool: tuple[int, ...], program: str, stdin: str,
-         config: SandboxConfig, notes: tuple[str, ...]) -> SandboxResult:
+def _run(rt: _Runtime, program: str, stdin: str, config: SandboxConfig) -> SandboxResult:
     token = uuid.uuid4().hex
-    slot = _UidSlot(pool) if pool else None
+    slot = _UidSlot(rt.uid_pool) if rt.uid_pool else None
     uid = slot.uid if slot else None
     root = tempfile.mkdtemp(prefix="marft_sbx_")
     try:
@@ -562,19 +611,24 @@ def _run(python: str, pool: tuple[int, ...], program: str, stdin: str,
         os.chmod(stdin_path, 0o600)
         if uid is not None:
             os.chown(workdir, uid, uid)
-            _kill_leftovers(-1, uid, token.encode())  # from a parent that died mid-run
-        return _spawn_and_wait(python, uid, main, workdir, stdin_path, token, config, notes)
+            _kill_leftovers(None, uid, token.encode())  # from a parent that died mid-run
+        return _spawn_and_wait(rt, uid, main, workdir, stdin_path, token, config)
     finally:
         if slot is not None:
             slot.release()
         _remove_tree(root)
 
 
-def _spawn_and_wait(python, uid, main, workdir, stdin_path, token, config, notes):
+def _spawn_and_wait(rt: _Runtime, uid: int | None, main: str, workdir: str, stdin_path: str,
+                    token: str, config: SandboxConfig) -> SandboxResult:
+    python = rt.python
     env = _clean_env(token, workdir)
     enforced: dict[str, Any] = {
         "wall_timeout_s": config.timeout_s, "output_limit_bytes": config.output_limit_bytes,
-        "env_stripped": True, "own_session": _IS_POSIX, "python": python, "notes": list(notes),
+        "env_stripped": True, "own_session": _IS_POSIX, "python": python,
+        "kill_scope": ("uid" if uid is not None else
+                       "group+session+token" if _IS_LINUX else "group"),
+        "notes": list(rt.notes),
     }
     report_r = report_w = None
     if _IS_POSIX:
@@ -583,7 +637,7 @@ def _spawn_and_wait(python, uid, main, workdir, stdin_path, token, config, notes
         cfg = {
             "report_fd": report_w, "linux": _IS_LINUX, "files": [main], "main": main,
             "python": python, "flags": ["-s"], "uid": uid, "gid": uid,
-            "netns": config.isolate_network, "mountns": _is_root() and _IS_LINUX,
+            "netns": config.isolate_network, "root": _is_root(), "userns": rt.userns,
             "tmpfs": list(_TMPFS_PATHS), "disk_bytes": config.disk_bytes,
             "rlimits": _rlimits(config, uid),
         }
@@ -629,9 +683,6 @@ def _spawn_and_wait(python, uid, main, workdir, stdin_path, token, config, notes
         enforced.update(report)
     stderr = err.decode("utf-8", "replace")
     status = _classify(returncode, stderr, timed_out, over_cap)
-    if timed_out and not over_cap and returncode not in (None, -signal.SIGKILL) and _IS_POSIX:
-        status = _classify(returncode, stderr, False, False)  # it ended on its own meanwhile
-        status = "timeout" if status == "ok" else status
     return SandboxResult(status=status, stdout=out.decode("utf-8", "replace"), stderr=stderr,
                          returncode=returncode, elapsed_s=elapsed, enforced=enforced)
 
@@ -689,5 +740,4 @@ def run_program(program: str, stdin: str = "", config: SandboxConfig | None = No
     """Run ``program`` (Python source) with ``stdin`` under ``config``; never raises for
     anything the program does (``SandboxError`` only when the sandbox itself cannot start)."""
     config = config or SandboxConfig()
-    rt = _runtime(config)
-    return _run(rt.python, rt.uid_pool, program, stdin, config, rt.notes)
+    return _run(_runtime(config), program, stdin, config)

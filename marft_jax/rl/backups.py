@@ -17,7 +17,9 @@ steps without tokens are skipped (no NaN, no crash).
 
 Link factors and bootstrap (``reference_semantics=False``, the ``marft_jax`` semantics):
 
-* ``c_p = 0`` iff ``p`` is the last valid point of a *terminal* played step, else 1.
+* ``c_p = 0`` iff ``p`` is the last valid point of a *terminal* played step, else 1. (If a
+  terminal step has no valid point at all, the cut moves to the last valid point before it.)
+* ``step_mask`` must be a prefix per row (steps 0 .. s* played).
 * ``V_end = V_boot`` iff the row's last played step s* is ``truncated`` and not ``terminal``;
   otherwise ``V_end = 0`` (terminal rows never bootstrap; a row that is neither terminal nor
   truncated at s* is treated as ended without a bootstrap value). ``A_end = 0`` always: the
@@ -89,8 +91,8 @@ def gae_rows(
     *,
     gamma: float | jax.Array,
     lam: float | jax.Array,
-    impl: str = "associative",
-    unroll: int = 8,
+    impl: str = "scan",
+    unroll: int = 1,
 ) -> jax.Array:
     """The unified masked reverse GAE recurrence over rows of decision points (§6c).
 
@@ -134,7 +136,7 @@ def gae_rows(
     # Next valid value after p: N_q = u_q V_q + (1 - u_q) N_{q+1}, N_P = V_end; V_{s(p)} = N_{p+1}.
     uf = u.astype(f32)
     a_nv, b_nv = lax.associative_scan(
-        _linear_combine, (uf * v, 1.0 - uf), reverse=True, axis=1)
+        _linear_combine, (jnp.where(u, v, 0.0), 1.0 - uf), reverse=True, axis=1)
     n_q = a_nv + b_nv * v_end[:, None]
     v_next = jnp.concatenate([n_q[:, 1:], v_end[:, None]], axis=1)
     delta = r + gamma * c * v_next - v
@@ -145,20 +147,62 @@ def gae_rows(
     return jnp.where(u, a_adv, 0.0)
 
 
-def _link_factors(valid: jax.Array, cut: jax.Array) -> jax.Array:
-    """``c = 0`` at the last valid point of each segment whose ``cut`` is set, else 1.
+def _last_valid(valid: jax.Array) -> jax.Array:
+    """``[..., K]`` bool -> ``[..., K]`` bool: True at the last True entry along the last axis."""
+    k = jnp.arange(valid.shape[-1], dtype=jnp.int32)
+    last = jnp.max(jnp.where(valid, k, -1), axis=-1, keepdims=True)
+    return jnp.logical_and(k == last, valid)
+
+
+def _step_cuts(has_valid: jax.Array, terminal: jax.Array) -> jax.Array:
+    """Whether the link leaving step s crosses a terminal step.
+
+    The last valid point of step s links to the first valid point of the next step s' > s that
+    has one (or to the end of the row); the link is cut iff any of steps s .. s'-1 is terminal
+    (whole-episode rows: only a terminal s itself; the extra case is a terminal step without
+    any valid point, after which nothing may chain across).
 
     Args:
-      valid: ``[R, G, Q]`` bool (G segments of Q points, e.g. steps of N*K points).
-      cut: ``[R, G]`` bool.
+      has_valid: ``[S, ...]`` bool, the step has a valid point (per row, or per row and agent).
+      terminal: ``[S, ...]`` bool (broadcastable to ``has_valid``).
 
     Returns:
-      ``[R, G, Q]`` float32.
+      ``[S, ...]`` bool. S is static and small: a Python loop over steps.
     """
-    q = jnp.arange(valid.shape[-1], dtype=jnp.int32)
-    last = jnp.max(jnp.where(valid, q, -1), axis=-1)                   # [R, G]
-    is_last = jnp.logical_and(q == last[..., None], valid)
-    return jnp.where(jnp.logical_and(is_last, cut[..., None]), 0.0, 1.0).astype(jnp.float32)
+    terminal = jnp.broadcast_to(terminal, has_valid.shape)
+    cuts = [terminal[-1]]
+    for s in range(has_valid.shape[0] - 2, -1, -1):
+        cuts.append(jnp.logical_or(
+            terminal[s], jnp.logical_and(jnp.logical_not(has_valid[s + 1]), cuts[-1])))
+    return jnp.stack(cuts[::-1], axis=0)
+
+
+def _marft_links(valid: jax.Array, terminal: jax.Array, reference_semantics: bool) -> jax.Array:
+    """Link factors c_p of the chained backup, in the canonical layout.
+
+    Args:
+      valid: ``[S, B, N, K]`` bool (action level: K = 1).
+      terminal: ``[S, B]`` bool, already masked by ``step_mask``.
+
+    Returns:
+      ``[S, B, N, K]`` float32: 0 at the last valid point of each terminal step (and of a step
+      whose link would cross a terminal step without valid points); with
+      ``reference_semantics`` also 0 at the last valid point of each agent ``i < N-1`` of a step
+      ``s >= 1`` following a terminal step (G1's intra-step mask, quirk #10); 1 elsewhere.
+    """
+    agent_last = _last_valid(valid)                                     # [S, B, N, K]
+    agent_any = jnp.any(valid, axis=-1)                                 # [S, B, N]
+    step_last_agent = _last_valid(agent_any)                            # [S, B, N]
+    cut = jnp.logical_and(agent_last, step_last_agent[..., None])
+    step_cut = _step_cuts(jnp.any(agent_any, axis=-1), terminal)        # [S, B]
+    cut = jnp.logical_and(cut, step_cut[:, :, None, None])
+    if reference_semantics:
+        prev_terminal = jnp.concatenate(
+            [jnp.zeros_like(terminal[:1]), terminal[:-1]], axis=0)      # G1: 1 - masks[s]
+        not_last_agent = jnp.arange(valid.shape[2]) < valid.shape[2] - 1
+        quirk = jnp.logical_and(prev_terminal[:, :, None], not_last_agent[None, None, :])
+        cut = jnp.logical_or(cut, jnp.logical_and(agent_last, quirk[..., None]))
+    return jnp.where(cut, 0.0, 1.0).astype(jnp.float32)
 
 
 def _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level):
@@ -169,6 +213,18 @@ def _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level)
     for name, x in (("step_mask", step_mask), ("terminal", terminal), ("truncated", truncated)):
         layout.assert_layout(x, name, layout.STEP_AXES, sizes=dims, dtype=bool)
     return dims
+
+
+def _prepare(reward, value, dp_mask, step_mask, terminal):
+    """Token-shaped float32 copies (action level gets a K = 1 axis), masked validity/terminal."""
+    action_level = value.ndim == 3
+    expand = (lambda x: x[..., None]) if action_level else (lambda x: x)
+    step_mask = step_mask.astype(bool)
+    terminal = jnp.logical_and(terminal.astype(bool), step_mask)
+    valid = jnp.logical_and(expand(dp_mask.astype(bool)), step_mask[:, :, None, None])
+    r = jnp.where(valid, expand(reward.astype(jnp.float32)), 0.0)
+    v = jnp.where(valid, expand(value.astype(jnp.float32)), 0.0)   # pads may hold garbage/NaN
+    return r, v, valid, step_mask, terminal
 
 
 def _row_end(step_mask, terminal, truncated, reference_semantics):
@@ -195,15 +251,15 @@ def marft_gae(
     *,
     gamma: float | jax.Array,
     lam: float | jax.Array,
-    impl: str = "associative",
+    impl: str = "scan",
     reference_semantics: bool = False,
-    unroll: int = 8,
+    unroll: int = 1,
 ) -> Backup:
     """Chained MARFT backup at action or token level (level read from the rank of ``value``).
 
     Args:
       reward: ``[S, B, N]`` (action) or ``[S, B, N, K]`` (token) float, placed rewards
-        (``rewards.place_reward``); must be zero off valid points (they are ignored there).
+        (``rewards.place_reward``); entries off valid points are ignored.
       value: same shape, float, critic value per decision point.
       dp_mask: same shape, bool, valid decision points.
       step_mask: ``[S, B]`` bool, step played.
@@ -211,7 +267,7 @@ def marft_gae(
       truncated: ``[S, B]`` bool, episode ended at s by a step cap (bootstrap from ``v_boot``).
       v_boot: ``[B]`` float, critic value at agent 0's context of step s*+1.
       gamma, lam: discount and GAE lambda (action default 0.99 / 0.95, token 1 / 1).
-      impl: ``"associative"`` (default) or ``"scan"``.
+      impl: ``"scan"`` (default) or ``"associative"``.
       reference_semantics: reproduce G1's masks (quirk #10) and bootstrap; see module doc.
       unroll: ``lax.scan`` unroll (``impl="scan"``).
 
@@ -222,38 +278,19 @@ def marft_gae(
     level = layout.level_of(value)
     dims = _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level)
     layout.assert_layout(v_boot, "v_boot", (layout.BATCH,), sizes=dims)
-    num_steps, batch, num_agents = dims["step"], dims["batch"], dims["agent"]
-    k = dims.get("token", 1)
-    decision_shape = (num_steps, num_agents, k) if level == "token" else (num_steps, num_agents)
-
-    step_mask = step_mask.astype(bool)
-    terminal = jnp.logical_and(terminal.astype(bool), step_mask)
-    valid = jnp.logical_and(
-        dp_mask.astype(bool), step_mask[(...,) + (None,) * (dp_mask.ndim - 2)])
-
-    u = layout.flatten_decisions(valid, level)                         # [B, P]
-    u_seg = u.reshape(batch, num_steps, num_agents * k)                # [B, S, N*K]
-    link = _link_factors(u_seg, layout.flatten_steps(terminal))
-    if reference_semantics:
-        # G1: the i -> i+1 link at step s is multiplied by mask_s = 1 - terminal_{s-1}.
-        first_of_episode = jnp.concatenate(
-            [jnp.zeros((batch, 1), bool), layout.flatten_steps(terminal)[:, :-1]], axis=1)
-        u_agent = u.reshape(batch, num_steps * num_agents, k)
-        cut = jnp.broadcast_to(first_of_episode[:, :, None], (batch, num_steps, num_agents))
-        cut = cut.at[:, :, num_agents - 1].set(False)
-        quirk = _link_factors(u_agent, cut.reshape(batch, num_steps * num_agents))
-        link = link * quirk.reshape(link.shape)
-    link = link.reshape(u.shape)
-
+    r, v, valid, step_mask, terminal = _prepare(reward, value, dp_mask, step_mask, terminal)
+    link = _marft_links(valid, terminal, reference_semantics)
     use_boot = _row_end(step_mask, terminal, truncated.astype(bool), reference_semantics)
     v_end = jnp.where(use_boot, v_boot.astype(jnp.float32), 0.0)
 
-    v_flat = layout.flatten_decisions(value.astype(jnp.float32), level)
-    adv = gae_rows(layout.flatten_decisions(reward.astype(jnp.float32), level), v_flat, u,
-                   link, v_end, gamma=gamma, lam=lam, impl=impl, unroll=unroll)
+    flat = lambda x: layout.flatten_decisions(x, "token")              # [B, P]
+    u = flat(valid)
+    v_flat = flat(v)
+    adv = gae_rows(flat(r), v_flat, u, flat(link), v_end,
+                   gamma=gamma, lam=lam, impl=impl, unroll=unroll)
     ret = jnp.where(u, adv + v_flat, 0.0)
-    return Backup(layout.unflatten_decisions(adv, decision_shape),
-                  layout.unflatten_decisions(ret, decision_shape))
+    unflat = lambda x: layout.unflatten_decisions(x, valid.shape[:1] + valid.shape[2:]).reshape(value.shape)
+    return Backup(unflat(adv), unflat(ret))
 
 
 def action_level_gae(
@@ -267,7 +304,7 @@ def action_level_gae(
     *,
     gamma: float | jax.Array = 0.99,
     lam: float | jax.Array = 0.95,
-    impl: str = "associative",
+    impl: str = "scan",
     reference_semantics: bool = False,
 ) -> Backup:
     """MARFT-A backup (§6a). ``reward``, ``value``, ``dp_mask``: ``[S, B, N]``; see :func:`marft_gae`."""
@@ -288,7 +325,7 @@ def token_level_gae(
     *,
     gamma: float | jax.Array = 1.0,
     lam: float | jax.Array = 1.0,
-    impl: str = "associative",
+    impl: str = "scan",
     reference_semantics: bool = False,
 ) -> Backup:
     """MARFT-T backup (§6b). ``reward``, ``value``, ``dp_mask``: ``[S, B, N, K]``; see :func:`marft_gae`."""
@@ -313,8 +350,8 @@ def independent_gae(
     *,
     gamma: float | jax.Array,
     lam: float | jax.Array,
-    impl: str = "associative",
-    unroll: int = 8,
+    impl: str = "scan",
+    unroll: int = 1,
 ) -> Backup:
     """Independent-PPO backup: each agent's own sequence of decision points over steps.
 
@@ -334,24 +371,19 @@ def independent_gae(
     level = layout.level_of(value)
     dims = _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level)
     layout.assert_layout(v_boot, "v_boot", (layout.BATCH, layout.AGENT), sizes=dims)
-    num_steps, batch, num_agents = dims["step"], dims["batch"], dims["agent"]
-    k = dims.get("token", 1)
-    decision_shape = (num_steps, num_agents, k) if level == "token" else (num_steps, num_agents)
-
-    step_mask = step_mask.astype(bool)
-    terminal = jnp.logical_and(terminal.astype(bool), step_mask)
-    valid = jnp.logical_and(
-        dp_mask.astype(bool), step_mask[(...,) + (None,) * (dp_mask.ndim - 2)])
-
-    u = layout.flatten_agent_sequences(valid, level)                   # [B*N, S*K]
-    term_rows = layout.agent_rows(terminal, num_agents)                # [B*N, S]
-    link = _link_factors(u.reshape(batch * num_agents, num_steps, k), term_rows).reshape(u.shape)
-    use_boot = _row_end(step_mask, terminal, truncated.astype(bool), False)     # [B]
+    r, v, valid, step_mask, terminal = _prepare(reward, value, dp_mask, step_mask, terminal)
+    # Each agent's own sequence: cut after its last valid point of a terminal step.
+    step_cut = _step_cuts(jnp.any(valid, axis=-1), terminal[:, :, None])          # [S, B, N]
+    link = jnp.where(jnp.logical_and(_last_valid(valid), step_cut[..., None]), 0.0, 1.0)
+    use_boot = _row_end(step_mask, terminal, truncated.astype(bool), False)          # [B]
     v_end = jnp.where(use_boot[:, None], v_boot.astype(jnp.float32), 0.0).reshape(-1)
 
-    v_flat = layout.flatten_agent_sequences(value.astype(jnp.float32), level)
-    adv = gae_rows(layout.flatten_agent_sequences(reward.astype(jnp.float32), level), v_flat, u,
-                   link, v_end, gamma=gamma, lam=lam, impl=impl, unroll=unroll)
+    flat = lambda x: layout.flatten_agent_sequences(x, "token")        # [B*N, S*K]
+    u = flat(valid)
+    v_flat = flat(v)
+    adv = gae_rows(flat(r), v_flat, u, flat(link), v_end,
+                   gamma=gamma, lam=lam, impl=impl, unroll=unroll)
     ret = jnp.where(u, adv + v_flat, 0.0)
-    return Backup(layout.unflatten_agent_sequences(adv, decision_shape),
-                  layout.unflatten_agent_sequences(ret, decision_shape))
+    unflat = lambda x: layout.unflatten_agent_sequences(
+        x, valid.shape[:1] + valid.shape[2:]).reshape(value.shape)
+    return Backup(unflat(adv), unflat(ret))

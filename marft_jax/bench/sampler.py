@@ -1,0 +1,211 @@
+"""Sampler throughput: our jitted sampler vs Hugging Face ``generate`` (PyTorch), one run.
+
+Prints ONE JSON object. Both sides run the same weights on the same left-padded prompts, sample
+at temperature 1.0 with top-k/top-p off and EOS disabled, so each row generates exactly
+``--new-tokens`` tokens. Throughput is generated tokens per second of wall time (prefill
+included). The CPU matmul roofline is measured in the same run (a large float32 matmul), and
+our decode FLOP/s is ``ModelConfig.flops_per_token(mean context) × tokens/s``.
+
+Usage::
+
+    python -m marft_jax.bench.sampler --model smollm2-135m      # the embedded checkpoint
+    python -m marft_jax.bench.sampler --model tiny              # random weights, same shape
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marft_jax.models import decoder
+from marft_jax.models.config import ModelConfig
+from marft_jax.sampling.buckets import length_bucket
+from marft_jax.sampling.sampler import Sampler, SamplingConfig
+
+# SmolLM2-135M's shape (random weights are fine for a speed measurement).
+SMOLLM2_135M_SHAPE = dict(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                          num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                          rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True,
+                          max_position_embeddings=8192, bos_token_id=1, eos_token_ids=(2,))
+
+
+def tiny_model(seed: int = 0) -> tuple[ModelConfig, dict]:
+    """A random model with the SmolLM2-135M shape (float32)."""
+    cfg = ModelConfig(**SMOLLM2_135M_SHAPE)
+    return cfg, decoder.init_params(jax.random.key(seed), cfg)
+
+
+def load(name: str) -> tuple[ModelConfig, dict]:
+    if name == "tiny":
+        return tiny_model()
+    from marft_jax.models.registry import load_model
+
+    m = load_model(name, dtype=jnp.float32)
+    return m.cfg, m.params
+
+
+def hf_model_from_params(cfg: ModelConfig, params: dict):
+    """The same model as a ``transformers`` PyTorch module (float32, eval mode, SDPA attention)."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    common = dict(vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                  intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                  num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+                  head_dim=cfg.head_dim, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps,
+                  tie_word_embeddings=cfg.tie_word_embeddings,
+                  max_position_embeddings=cfg.max_position_embeddings, pad_token_id=0)
+    if cfg.arch == "qwen2":
+        hf_cfg = Qwen2Config(**common)
+    else:
+        hf_cfg = LlamaConfig(attention_bias=cfg.qkv_bias, **common)
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32).eval()
+    np_params = jax.tree.map(lambda x: np.asarray(x, np.float32), params)
+    sd: dict[str, Any] = {"model.embed_tokens.weight": np_params["embed"],
+                          "model.norm.weight": np_params["final_norm"]}
+    if not cfg.tie_word_embeddings:
+        sd["lm_head.weight"] = np_params["lm_head"].T
+    names = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+             "o_proj": "self_attn.o_proj", "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj",
+             "down_proj": "mlp.down_proj"}
+    layers = np_params["layers"]
+    for i in range(cfg.num_layers):
+        pre = f"model.layers.{i}."
+        sd[pre + "input_layernorm.weight"] = layers["input_norm"][i]
+        sd[pre + "post_attention_layernorm.weight"] = layers["post_norm"][i]
+        for ours, theirs in names.items():
+            sd[pre + theirs + ".weight"] = layers[ours]["kernel"][i].T
+            if "bias" in layers[ours]:
+                sd[pre + theirs + ".bias"] = layers[ours]["bias"][i]
+    state = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in sd.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise RuntimeError(f"HF state dict mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    return model
+
+
+def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
+    """Random prompts with lengths in ``[prompt_len // 2, prompt_len]``."""
+    rng = np.random.default_rng(seed)
+    lens = rng.integers(max(prompt_len // 2, 1), prompt_len + 1, batch)
+    return [rng.integers(3, vocab, n).tolist() for n in lens]
+
+
+def matmul_roofline_flops(n: int = 2048, repeats: int = 5) -> float:
+    """Best float32 FLOP/s of an ``n x n @ n x n`` jnp matmul on this machine."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
+    mm = jax.jit(jnp.matmul)
+    jax.block_until_ready(mm(a, b))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(mm(a, b))
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best
+
+
+def time_ours(cfg, params, prompts, new_tokens: int, repeats: int, seed: int) -> dict[str, float]:
+    """First-call time (compile + run) and best steady-state time of our sampler."""
+    sampler = Sampler(cfg, pad_id=0, stop_ids=())                      # EOS disabled
+    config = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, top_k=0, top_p=1.0)
+    t0 = time.perf_counter()
+    out = sampler(params, prompts, key=jax.random.key(seed), config=config)
+    first = time.perf_counter() - t0
+    assert (out.lengths == new_tokens).all(), out.lengths
+    best = float("inf")
+    for r in range(repeats):
+        t0 = time.perf_counter()
+        out = sampler(params, prompts, key=jax.random.key(seed + 1 + r), config=config)
+        best = min(best, time.perf_counter() - t0)
+    return {"first_call_s": first, "best_s": best}
+
+
+def time_hf(model, prompts, new_tokens: int, repeats: int, seed: int) -> float:
+    """Best wall time of ``model.generate`` on the left-padded prompts (EOS disabled)."""
+    import torch
+
+    length = max(len(p) for p in prompts)
+    ids = np.zeros((len(prompts), length), np.int64)
+    mask = np.zeros((len(prompts), length), np.int64)
+    for i, p in enumerate(prompts):
+        ids[i, length - len(p):] = p
+        mask[i, length - len(p):] = 1
+    ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
+    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, eos_token_id=None,
+              pad_token_id=0, attention_mask=mask_t)
+    with torch.inference_mode():
+        model.generate(ids_t, max_new_tokens=4, **kw)                     # warm-up
+        best = float("inf")
+        for r in range(repeats):
+            torch.manual_seed(seed + r)
+            t0 = time.perf_counter()
+            out = model.generate(ids_t, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kw)
+            best = min(best, time.perf_counter() - t0)
+    assert out.shape[1] == length + new_tokens, out.shape
+    return best
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m", help="'smollm2-135m', 'tiny', an HF dir or a .gguf")
+    p.add_argument("--batch-sizes", default="8,32")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-hf", action="store_true", help="skip the PyTorch baseline")
+    args = p.parse_args(argv)
+
+    cores = os.cpu_count() or 1
+    cfg, params = load(args.model)
+    params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+    roofline = matmul_roofline_flops()
+    hf_model = None
+    if not args.no_hf:
+        import torch
+
+        torch.set_num_threads(cores)
+        hf_model = hf_model_from_params(cfg, params)
+
+    context = length_bucket(args.prompt_len) + args.new_tokens / 2         # mean attended slots
+    flops_per_token = cfg.flops_per_token(int(context))
+    report: dict[str, Any] = {
+        "bench": "sampler", "model": args.model, "backend": jax.default_backend(),
+        "cpu_cores": cores, "machine": platform.processor() or platform.machine(),
+        "new_tokens": args.new_tokens, "prompt_len_max": args.prompt_len,
+        "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "eos": "disabled"},
+        "matmul_roofline_gflops": roofline / 1e9,
+        "flops_per_token_gflop": flops_per_token / 1e9,
+        "per_batch": {},
+    }
+    for bs in (int(b) for b in args.batch_sizes.split(",")):
+        prompts = make_prompts(bs, args.prompt_len, cfg.vocab_size, args.seed + bs)
+        ours = time_ours(cfg, params, prompts, args.new_tokens, args.repeats, args.seed)
+        ours_tps = bs * args.new_tokens / ours["best_s"]
+        row: dict[str, Any] = {
+            "ours_tokens_per_s": ours_tps,
+            "ours_compile_s": max(ours["first_call_s"] - ours["best_s"], 0.0),
+            "ours_run_s": ours["best_s"],
+            "ours_roofline_fraction": flops_per_token * ours_tps / roofline,
+        }
+        if hf_model is not None:
+            hf_s = time_hf(hf_model, prompts, args.new_tokens, args.repeats, args.seed)
+            hf_tps = bs * args.new_tokens / hf_s
+            row.update({"hf_tokens_per_s": hf_tps, "hf_run_s": hf_s, "ratio_ours_over_hf": ours_tps / hf_tps})
+        report["per_batch"][str(bs)] = row
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

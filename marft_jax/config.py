@@ -1,0 +1,296 @@
+"""Typed run configuration: dataclasses, YAML files and ``key=value`` overrides (OmegaConf).
+
+Why OmegaConf: it merges YAML files and dotted command-line overrides into *structured*
+configs built from our dataclasses, rejects unknown keys and wrong types with the dotted key in
+the message, and is a small, long-maintained dependency (Hydra's core). Range checks that types
+cannot express live in :func:`validate` and also name the dotted key.
+
+``load_config("demo", ["ppo.epochs=2"])`` takes a preset name from ``experiments/configs`` (or
+the package copy of the demo), a YAML path, or nothing (the defaults), then the overrides.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+from omegaconf import MISSING, OmegaConf  # noqa: F401
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, of the wrong type or out of range (names the key)."""
+
+
+@dataclass
+class ModelSection:
+    name: str = "smollm2-135m"          # registry name, HF directory or .gguf file
+    dtype: str = "auto"                 # auto (float32 on CPU, bfloat16 on GPU/TPU) | float32 | bfloat16
+    remat: bool = False                 # recompute each block in the backward pass
+
+
+@dataclass
+class LoraSection:
+    rank: int = 8
+    alpha: float = 16.0
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+
+
+@dataclass
+class TaskSection:
+    name: str = "arithmetic"            # arithmetic | math | gsm8k | math500 | aime | humaneval | code_jsonl | generic
+    path: Optional[str] = None          # dataset file for file-based tasks
+    eval_path: Optional[str] = None     # separate evaluation file (default: held-out split of path)
+    level: int = 1                      # arithmetic difficulty
+    train_size: int = 2000
+    test_size: int = 200
+    problem_field: Optional[str] = None
+    answer_field: Optional[str] = None
+    max_prompt_tokens: int = 1024       # over-long problems are filtered at load time
+    code_reward: str = "fraction"       # fraction | binary
+    hint_for_first_agent: bool = False  # heterogeneous observations: agent 0 sees the answer's parity
+
+
+@dataclass
+class TeamSection:
+    profile: str = "math/duo"           # packaged profile name or a YAML/JSON file
+    num_agents: int = 2
+    answer_agent: Optional[int] = None  # default: the profile's answering agent
+
+
+@dataclass
+class RolloutSection:
+    mode: str = "sequential"            # sequential (MARFT chain) | parallel (independent PPO)
+    rows: int = 8                       # episodes per rollout
+    horizon: int = 1
+    max_steps: Optional[int] = None
+    max_new_tokens: int = 512
+    context_window: int = 2048
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    prompt_format: str = "chat"         # chat | g1_raw
+    success_threshold: float = 1.0
+
+
+@dataclass
+class AlgoSection:
+    level: str = "action"               # action (MARFT-A) | token (MARFT-T)
+    gamma: Optional[float] = None       # default: 0.99 (action) / 1.0 (token)
+    lam: Optional[float] = None         # default: 0.95 (action) / 1.0 (token)
+    reward_to: str = "last"             # last | all
+    reward_bias: float = 0.0
+    reward_scale: float = 1.0
+    reward_clip: Optional[float] = None
+    ippo_own_weight: float = 0.5        # independent PPO: w * own + (1 - w) * team mean
+    reference_semantics: bool = False   # G1's backup masks and bootstrap (parity runs)
+
+
+@dataclass
+class PPOSection:
+    epochs: int = 1
+    num_minibatches: int = 1
+    micro_batches: int = 1
+    clip_eps: float = 0.2
+    value_clip_eps: float = 0.2
+    value_loss: str = "huber"           # huber | mse
+    huber_delta: float = 10.0
+    ent_coef: float = 0.01
+    vf_coef: float = 1.0
+    adv_norm: str = "minibatch"         # minibatch | batch | none
+    kl_stop: Optional[float] = 0.02
+    max_grad_norm: float = 0.5
+    critic_max_grad_norm: float = 0.5
+    logprob_norm: str = "sum"           # sum | token | word
+    agent_schedule: str = "sequential"  # sequential | concurrent | interval
+    happo_weighting: bool = True
+    happo_clip: Optional[float] = 0.2
+    interval: int = 1000                # env samples per agent under `interval`
+    interval_offset: int = 0
+    critic_warmup: int = 0              # iterations that train only the critic
+    critic_lora: bool = False
+
+
+@dataclass
+class OptimSection:
+    policy_lr: float = 1e-6
+    critic_lr: float = 5e-5
+    eps: float = 1e-5
+    weight_decay: float = 0.0
+    schedule: str = "constant"          # constant | cosine
+    warmup_ratio: float = 0.0
+    min_lr_ratio: float = 0.05
+
+
+@dataclass
+class TrainSection:
+    iterations: int = 100
+    seed: int = 0
+    out_dir: str = "runs"
+    run_name: Optional[str] = None
+    eval_every: int = 0                 # 0: only before and after training
+    eval_problems: int = 64
+    eval_temperature: float = 0.0       # the demo evaluates greedily; `marft-jax eval` uses 0.6
+    save_every: int = 10
+    keep_last: int = 3
+    time_budget_s: Optional[float] = None
+    scoring_workers: int = 2
+    log_every: int = 1
+
+
+@dataclass
+class Config:
+    preset: str = "default"
+    model: ModelSection = field(default_factory=ModelSection)
+    lora: LoraSection = field(default_factory=LoraSection)
+    task: TaskSection = field(default_factory=TaskSection)
+    team: TeamSection = field(default_factory=TeamSection)
+    rollout: RolloutSection = field(default_factory=RolloutSection)
+    algo: AlgoSection = field(default_factory=AlgoSection)
+    ppo: PPOSection = field(default_factory=PPOSection)
+    optim: OptimSection = field(default_factory=OptimSection)
+    train: TrainSection = field(default_factory=TrainSection)
+
+    @property
+    def gamma(self) -> float:
+        return self.algo.gamma if self.algo.gamma is not None else (0.99 if self.algo.level == "action" else 1.0)
+
+    @property
+    def lam(self) -> float:
+        return self.algo.lam if self.algo.lam is not None else (0.95 if self.algo.level == "action" else 1.0)
+
+
+PRESET_DIR = Path(__file__).resolve().parents[1] / "experiments" / "configs"
+PACKAGED_PRESETS = Path(__file__).resolve().parent / "presets"
+
+_CHOICES = {
+    "model.dtype": ("auto", "float32", "bfloat16"),
+    "task.name": ("arithmetic", "math", "gsm8k", "math500", "aime", "humaneval", "code_jsonl", "generic"),
+    "task.code_reward": ("fraction", "binary"),
+    "rollout.mode": ("sequential", "parallel"),
+    "rollout.prompt_format": ("chat", "g1_raw"),
+    "algo.level": ("action", "token"),
+    "algo.reward_to": ("last", "all"),
+    "ppo.value_loss": ("huber", "mse"),
+    "ppo.adv_norm": ("minibatch", "batch", "none"),
+    "ppo.logprob_norm": ("sum", "token", "word"),
+    "ppo.agent_schedule": ("sequential", "concurrent", "interval"),
+    "optim.schedule": ("constant", "cosine"),
+}
+
+
+def _get(cfg: Config, dotted: str) -> Any:
+    obj: Any = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate(cfg: Config) -> Config:
+    """Range and choice checks; raises :class:`ConfigError` naming the dotted key."""
+    for key, choices in _CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} is not one of {list(choices)}")
+
+    def need(key: str, ok: bool, what: str) -> None:
+        if not ok:
+            raise ConfigError(f"{key}={_get(cfg, key)!r}: must be {what}")
+
+    need("team.num_agents", cfg.team.num_agents >= 1, ">= 1")
+    need("rollout.rows", cfg.rollout.rows >= 1, ">= 1")
+    need("rollout.horizon", cfg.rollout.horizon >= 1, ">= 1")
+    need("rollout.max_new_tokens", cfg.rollout.max_new_tokens >= 1, ">= 1")
+    need("rollout.context_window", cfg.rollout.context_window > cfg.rollout.max_new_tokens,
+         f"> rollout.max_new_tokens ({cfg.rollout.max_new_tokens})")
+    need("rollout.temperature", cfg.rollout.temperature > 0, "> 0 for training rollouts")
+    need("rollout.top_k", cfg.rollout.top_k >= 0, ">= 0 (0 = off)")
+    need("rollout.top_p", 0 < cfg.rollout.top_p <= 1, "in (0, 1]")
+    if cfg.rollout.max_steps is not None:
+        need("rollout.max_steps", 1 <= cfg.rollout.max_steps <= cfg.rollout.horizon, "in [1, rollout.horizon]")
+    need("lora.rank", cfg.lora.rank >= 1, ">= 1")
+    need("lora.alpha", cfg.lora.alpha > 0, "> 0")
+    for key in ("optim.policy_lr", "optim.critic_lr", "optim.eps"):
+        need(key, _get(cfg, key) > 0, "> 0")
+    need("optim.weight_decay", cfg.optim.weight_decay >= 0, ">= 0")
+    need("optim.warmup_ratio", 0 <= cfg.optim.warmup_ratio < 1, "in [0, 1)")
+    for key in ("ppo.clip_eps", "ppo.value_clip_eps"):
+        need(key, _get(cfg, key) > 0, "> 0")
+    if cfg.ppo.happo_clip is not None:
+        need("ppo.happo_clip", cfg.ppo.happo_clip > 0, "> 0 or null")
+    if cfg.ppo.kl_stop is not None:
+        need("ppo.kl_stop", cfg.ppo.kl_stop > 0, "> 0 or null")
+    for key in ("ppo.max_grad_norm", "ppo.critic_max_grad_norm", "ppo.huber_delta"):
+        need(key, _get(cfg, key) > 0, "> 0")
+    for key in ("ppo.ent_coef", "ppo.vf_coef", "ppo.critic_warmup"):
+        need(key, _get(cfg, key) >= 0, ">= 0")
+    for key in ("ppo.epochs", "ppo.num_minibatches", "ppo.micro_batches", "ppo.interval", "train.keep_last"):
+        need(key, _get(cfg, key) >= 1, ">= 1")
+    need("ppo.num_minibatches", cfg.rollout.rows % cfg.ppo.num_minibatches == 0,
+         f"a divisor of rollout.rows ({cfg.rollout.rows})")
+    need("algo.reward_scale", cfg.algo.reward_scale > 0, "> 0")
+    if cfg.algo.reward_clip is not None:
+        need("algo.reward_clip", cfg.algo.reward_clip > 0, "> 0 or null")
+    need("algo.ippo_own_weight", 0 <= cfg.algo.ippo_own_weight <= 1, "in [0, 1]")
+    for key in ("algo.gamma", "algo.lam"):
+        v = _get(cfg, key)
+        if v is not None:
+            need(key, 0 <= v <= 1, "in [0, 1]")
+    need("train.iterations", cfg.train.iterations >= 0, ">= 0")
+    need("train.eval_problems", cfg.train.eval_problems >= 1, ">= 1")
+    need("train.eval_temperature", cfg.train.eval_temperature >= 0, ">= 0")
+    need("train.scoring_workers", cfg.train.scoring_workers >= 0, ">= 0")
+    if cfg.team.answer_agent is not None:
+        need("team.answer_agent", 0 <= cfg.team.answer_agent < cfg.team.num_agents,
+             f"in [0, team.num_agents={cfg.team.num_agents})")
+    need("task.level", 1 <= cfg.task.level <= 5, "in [1, 5]")
+    return cfg
+
+
+def resolve_preset(name: str) -> Path:
+    """A preset name (``demo``, ``paper/math-duo-marft-a-qwen2.5-3b``) or a YAML path."""
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml"):
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist")
+        return p
+    for root in (PRESET_DIR, PACKAGED_PRESETS):
+        cand = root / f"{name}.yaml"
+        if cand.is_file():
+            return cand
+    known = sorted(str(q.relative_to(r))[:-5] for r in (PRESET_DIR, PACKAGED_PRESETS) if r.is_dir()
+                   for q in r.rglob("*.yaml"))
+    raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(known) or 'none'}")
+
+
+def load_config(preset: str | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Defaults <- preset YAML <- ``key=value`` overrides, typed and validated."""
+    schema = OmegaConf.structured(Config)
+    try:
+        layers = [schema]
+        if preset:
+            path = resolve_preset(preset)
+            try:
+                layers.append(OmegaConf.load(path))
+            except Exception as e:  # YAML syntax errors
+                raise ConfigError(f"{path}: cannot parse YAML ({e})") from e
+        for o in overrides:
+            if "=" not in o:
+                raise ConfigError(f"override {o!r} must look like key=value (e.g. ppo.epochs=2)")
+        layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(*layers)
+        cfg: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        msg = str(e).splitlines()[0]
+        raise ConfigError(f"config key {key!r}: {msg}" if key else f"config: {msg}") from e
+    return validate(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,551 @@
+"""Math answer grading: extract the model's final answer and decide equivalence with the gold.
+
+Reference: ``docs/marft-reference.md`` section 4.
+
+Extraction (:func:`extract_answer`), in order:
+  1. the content of the last brace-balanced ``\\boxed{...}`` / ``\\fbox{...}``
+     (``\\boxed 5`` without braces takes the next whitespace-delimited token);
+  2. the text after the last "the answer is" / "final answer is", to the end of the sentence;
+  3. the last number in the text (``last_number_fallback``, default on).
+
+Equivalence (:func:`grade`), first decisive step wins; ``info["method"]`` names it:
+  ``"exact"``       the normalized strings are identical (cheap shortcut, always sound);
+  ``"integer"``     both sides are plain integers (decided exactly, no sympy needed);
+  ``"math_verify"`` ``math_verify.parse`` on both sides (gold wrapped in ``\\boxed{}``) then
+                    ``math_verify.verify``, run in a killable worker process with a hard
+                    per-item time limit (:class:`VerifyWorker`);
+  ``"numeric"``     only when math-verify timed out, crashed or could not parse: both sides
+                    parse as numbers and agree within relative tolerance 1e-4.
+When math-verify fails and the numeric fallback does not apply, the reward is 0 and
+``info["reason"]`` is ``"timeout"`` / ``"verify_error"`` (``info["method"] == "fallback"``).
+
+Gold answers are used as given (never last-number extracted: ``\\frac{14}{3}`` stays 14/3);
+GSM8K worked solutions go through :func:`gsm8k_final_answer` first.
+"""
+
+from __future__ import annotations
+
+import atexit
+import fractions
+import importlib
+import json
+import math
+import os
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from marft_jax.envs.task import Score
+
+DEFAULT_TIMEOUT_S = 5.0
+NUMERIC_REL_TOL = 1e-4
+DEFAULT_VERIFY_FN = "marft_jax.envs.math_grading:math_verify_equal"
+
+# ----------------------------------------------------------------------------------------------
+# Extraction
+# ----------------------------------------------------------------------------------------------
+
+_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
+_ANSWER_IS_RE = re.compile(r"(?:final answer|the answer)\s*(?:is\b|:)\s*:?", re.IGNORECASE)
+_SENTENCE_END_RE = re.compile(r"\.(?=\s|$)|\n")
+_NUMBER_RE = re.compile(r"(?<![\w)\]}.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?|(?<![\w)\]}.])-?\.\d+")
+
+
+def _balanced_group(text: str, open_idx: int) -> str | None:
+    """Content of the ``{...}`` group opening at ``text[open_idx] == "{"``; None if unclosed.
+
+    Escaped braces (``\\{``, ``\\}``) are skipped so ``\\boxed{\\{1,2\\}}`` reads ``\\{1,2\\}``.
+    """
+    depth, i = 0, open_idx
+    while i < len(text):
+        ch = text[i]
+        if ch == "\\":
+            i += 2
+            continue
+        if ch == "{":
+            depth += 1
+        elif ch == "}":
+            depth -= 1
+            if depth == 0:
+                return text[open_idx + 1 : i]
+        i += 1
+    return None
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last well-formed ``\\boxed``/``\\fbox`` in ``text`` (stripped), or None.
+
+    A box left unclosed (e.g. a truncated response) is skipped in favour of an earlier one.
+    """
+    for match in reversed(list(_BOX_RE.finditer(text))):
+        i = match.end()
+        while i < len(text) and text[i] in " \t":
+            i += 1
+        if i < len(text) and text[i] == "{":
+            content = _balanced_group(text, i)
+        else:  # "\boxed 5": the next whitespace-delimited token
+            token = re.match(r"[^\s$]+", text[i:])
+            content = token.group(0).rstrip(".,;") if token else None
+        if content is not None and content.strip():
+            return content.strip()
+    return None
+
+
+def _answer_is(text: str) -> str | None:
+    """Text after the last "the answer is"/"final answer is", up to the end of the sentence."""
+    matches = list(_ANSWER_IS_RE.finditer(text))
+    if not matches:
+        return None
+    rest = text[matches[-1].end() :]
+    end = _SENTENCE_END_RE.search(rest)
+    candidate = (rest[: end.start()] if end else rest).strip().strip("*").strip()
+    candidate = candidate.strip("$").strip().rstrip(".").strip()
+    return candidate or None
+
+
+def last_number(text: str) -> str | None:
+    """The last number in ``text`` (int, decimal or ``a/b``), thousands separators removed."""
+    numbers = _NUMBER_RE.findall(text)
+    return numbers[-1].replace(",", "") if numbers else None
+
+
+def extract_answer(text: str, *, last_number_fallback: bool = True) -> tuple[str | None, str]:
+    """Read the final answer from a model response.
+
+    Returns:
+      ``(answer, source)``: ``source`` is ``"boxed"``, ``"answer_is"``, ``"last_number"`` or
+      ``"none"`` (then ``answer`` is None).
+    """
+    boxed = last_boxed(text)
+    if boxed is not None:
+        return boxed, "boxed"
+    stated = _answer_is(text)
+    if stated is not None:
+        return stated, "answer_is"
+    if last_number_fallback:
+        number = last_number(text)
+        if number is not None:
+            return number, "last_number"
+    return None, "none"
+
+
+def gsm8k_final_answer(solution: str) -> str:
+    """Gold answer of a GSM8K worked solution: text after the last ``####``, no ``,`` separators.
+
+    Raises:
+      ValueError: if there is no ``####`` marker or nothing after it.
+    """
+    if "####" not in solution:
+        raise ValueError(f"GSM8K solution has no '####' final-answer marker: {solution[-80:]!r}")
+    answer = solution.rsplit("####", 1)[1].strip()
+    answer = re.sub(r"(?<=\d),(?=\d{3}(?!\d))", "", answer)
+    if not answer:
+        raise ValueError(f"GSM8K solution has an empty answer after '####': {solution[-80:]!r}")
+    return answer
+
+
+# ----------------------------------------------------------------------------------------------
+# Normalization and numeric parsing (fallbacks)
+# ----------------------------------------------------------------------------------------------
+
+_NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
+_TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|mbox|mathrm)\s*\{([^{}]*)\}")
+
+
+# Words after a number that are mathematics, not units: "3 pi", "2 and 3", "4 times 5".
+_NOT_UNITS = frozenset("and or to plus minus times over divided by pi sqrt mod of".split())
+
+
+def strip_units(answer: str) -> str:
+    """Drop plain-word units after a number: ``"18 dollars"`` -> ``"18"``, ``"5 cm."`` -> ``"5"``.
+
+    Only applies when the whole string is an (optionally ``$``-prefixed) number, whitespace,
+    then words of two or more letters none of which is mathematical (``"5x"``, ``"5 x"``,
+    ``"3 pi"`` and ``"2 and 3"`` are kept); anything else is returned unchanged (stripped).
+    """
+    s = answer.strip()
+    m = re.fullmatch(rf"\\?\$?\s*({_NUM}(?:,\d{{3}})*)\s+((?:[A-Za-z]{{2,}}\.?\s*)+)", s)
+    if not m or any(w.strip(".").lower() in _NOT_UNITS for w in m.group(2).split()):
+        return s
+    return m.group(1)
+
+
+def normalize_answer(answer: str) -> str:
+    """Canonical string form for exact comparison.
+
+    Removes spaces, ``$``, ``\\left``/``\\right``, thin spaces (``\\!``, ``\\,``, ``\\;``),
+    degrees (``^\\circ``, ``°``), ``\\text{..}`` units after a number, a trailing period and
+    thousands separators of a plain number; maps ``\\dfrac``/``\\tfrac`` to ``\\frac``.
+    """
+    s = answer.strip()
+    s = re.sub(r"\\(?:left|right)(?![A-Za-z])", "", s)
+    s = re.sub(r"\\[!,;:]|\\ |~", "", s)
+    s = re.sub(r"\\[dt]frac", r"\\frac", s)
+    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree", "", s)
+    s = s.replace("\\$", "").replace("$", "")
+    # "5\text{ cm}" -> "5"; a lone "\text{(C)}" -> "(C)".
+    s = re.sub(rf"^({_NUM})\s*{_TEXT_CMD_RE.pattern}\s*$", r"\1", s)
+    s = _TEXT_CMD_RE.sub(r"\1", s)
+    s = strip_units(s)
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    if re.fullmatch(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?", s):
+        s = s.replace(",", "")
+    return s
+
+
+_FRAC_RE = re.compile(r"(-?)\\frac\{([^{}]+)\}\{([^{}]+)\}|(-?)\\frac(\d)(\d)")
+
+
+def _plain_number(s: str) -> fractions.Fraction | None:
+    """``"3"``, ``"-0.25"``, ``"14/3"``, ``"1e3"`` as an exact Fraction, else None."""
+    if not re.fullmatch(rf"{_NUM}(?:[eE][-+]?\d+)?(?:/{_NUM})?", s):
+        return None
+    try:
+        if "/" in s:
+            num, den = s.split("/")
+            return fractions.Fraction(num) / fractions.Fraction(den)
+        return fractions.Fraction(s)
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _fraction_value(s: str) -> fractions.Fraction | None:
+    """Value of ``\\frac{a}{b}``, ``-\\frac12``, or a mixed number ``2\\frac{1}{3}``."""
+    m = re.fullmatch(rf"({_NUM})?({_FRAC_RE.pattern})", s)
+    if not m:
+        return None
+    whole_str, _, sign1, num, den, sign2, num_d, den_d = m.groups()
+    num, den = (num, den) if num is not None else (num_d, den_d)
+    a, b = _plain_number(num), _plain_number(den)
+    if a is None or b is None or b == 0:
+        return None
+    value = a / b
+    if (sign1 or sign2) == "-":
+        value = -value
+    if whole_str is None:
+        return value
+    whole = _plain_number(whole_str)
+    if whole is None or value < 0:
+        return None
+    return whole - value if whole < 0 or whole_str.startswith("-") else whole + value
+
+
+def parse_numbers(answer: str) -> list[fractions.Fraction] | None:
+    """Candidate numeric values of an answer, or None if it is not a plain number.
+
+    Integers, decimals, ``a/b``, ``\\frac{a}{b}`` (and mixed numbers) give one value; a
+    percentage ``p%`` gives two, ``p`` and ``p/100`` (gold ``50`` and ``50\\%`` both mean 50%).
+    """
+    s = normalize_answer(answer)
+    percent = False
+    if s.endswith("\\%") or s.endswith("%"):
+        s, percent = s.removesuffix("%").removesuffix("\\"), True
+    value = _plain_number(s)
+    if value is None:
+        value = _fraction_value(s)
+    if value is None:
+        return None
+    return [value, value / 100] if percent else [value]
+
+
+def numeric_equal(a: str, b: str, rel_tol: float = NUMERIC_REL_TOL) -> bool | None:
+    """True/False when both sides parse as numbers (relative tolerance), None otherwise."""
+    xs, ys = parse_numbers(a), parse_numbers(b)
+    if xs is None or ys is None:
+        return None
+    return any(math.isclose(float(x), float(y), rel_tol=rel_tol, abs_tol=0.0) for x in xs for y in ys)
+
+
+# ----------------------------------------------------------------------------------------------
+# math-verify in a killable worker process
+# ----------------------------------------------------------------------------------------------
+
+
+def math_verify_equal(gold: str, pred: str) -> bool | None:
+    """math-verify equivalence of two extracted answers; None if either side does not parse.
+
+    Runs math-verify's own timeouts off (they use SIGALRM); the caller enforces the limit by
+    running this in :class:`VerifyWorker`. Exceptions propagate.
+    """
+    from math_verify import parse, verify  # local: sympy is heavy and only the worker needs it
+
+    gold_parsed = parse(f"$\\boxed{{{gold}}}$", parsing_timeout=None, raise_on_error=True)
+    pred_parsed = parse(f"$\\boxed{{{pred}}}$", parsing_timeout=None, raise_on_error=True)
+    if not gold_parsed or not pred_parsed:
+        return None
+    return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None, raise_on_error=True))
+
+
+def _resolve(spec: str):
+    """Import ``"package.module:function"``."""
+    module_name, _, attr = spec.partition(":")
+    obj = importlib.import_module(module_name)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _worker_main(verify_fn_spec: str, memory_limit_mb: int) -> None:
+    """Worker loop: one JSON request per stdin line, one JSON reply per stdout line.
+
+    Request ``{"gold": str, "pred": str}``; reply ``{"equal": true|false|null}`` or
+    ``{"error": "Type: message"}``. Exits on stdin EOF or when the parent process dies.
+    """
+    import logging
+
+    logging.disable(logging.CRITICAL)  # math-verify warns on every call with timeouts off
+    if memory_limit_mb > 0:
+        try:
+            import resource
+
+            limit = memory_limit_mb * 1024 * 1024
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+        except (ImportError, ValueError, OSError):
+            pass
+    parent = os.getppid()
+
+    def watch_parent() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(0)
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    out = sys.stdout
+    sys.stdout = sys.stderr  # stray prints must not corrupt the protocol
+    try:
+        verify_fn = _resolve(verify_fn_spec)
+        if verify_fn_spec == DEFAULT_VERIFY_FN:
+            verify_fn("1", "1")  # warm up: import sympy before the first timed item
+        out.write(json.dumps({"ready": True}) + "\n")
+    except BaseException as exc:  # noqa: BLE001 - report any startup failure to the parent
+        out.write(json.dumps({"ready": False, "error": f"{type(exc).__name__}: {exc}"}) + "\n")
+        out.flush()
+        return
+    out.flush()
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            reply = {"equal": verify_fn(request["gold"], request["pred"])}
+        except BaseException as exc:  # noqa: BLE001 - MemoryError, RecursionError, sympy errors
+            reply = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+        out.write(json.dumps(reply) + "\n")
+        out.flush()
+
+
+class VerifyTimeout(Exception):
+    """The worker did not answer within the per-item time limit (it has been killed)."""
+
+
+class VerifyWorkerError(Exception):
+    """The worker failed to start, crashed, or its verify function raised."""
+
+
+class VerifyWorker:
+    """A persistent worker process running an equivalence function under a hard time limit.
+
+    ``check(gold, pred, timeout_s)`` sends one pair; if no reply arrives within ``timeout_s``
+    seconds the process is killed (SIGKILL) and :class:`VerifyTimeout` is raised; the next call
+    starts a fresh process. The worker is a plain ``subprocess`` (not ``multiprocessing``), so
+    it also works inside daemonic pool workers, and it exits by itself when its parent dies.
+    Thread-safe (one request at a time). Fork-safe: a forked child starts its own worker.
+
+    Args:
+      verify_fn: ``"module:function"`` taking ``(gold, pred)`` and returning True/False/None
+        (None = could not parse); importable in a fresh interpreter with the caller's sys.path.
+      memory_limit_mb: address-space limit of the worker (0 = none).
+      startup_timeout_s: how long to wait for the worker to import its function.
+    """
+
+    def __init__(
+        self,
+        verify_fn: str = DEFAULT_VERIFY_FN,
+        *,
+        memory_limit_mb: int = 4096,
+        startup_timeout_s: float = 120.0,
+    ) -> None:
+        self.verify_fn = verify_fn
+        self.memory_limit_mb = memory_limit_mb
+        self.startup_timeout_s = startup_timeout_s
+        self._proc: subprocess.Popen | None = None
+        self._pid = os.getpid()
+        self._buffer = b""
+        self._lock = threading.Lock()
+        self.starts = 0
+        atexit.register(self.close)
+
+    def _start(self) -> None:
+        code = (
+            "import sys; from marft_jax.envs.math_grading import _worker_main; "
+            f"_worker_main({self.verify_fn!r}, {int(self.memory_limit_mb)})"
+        )
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
+        self._buffer = b""
+        try:
+            reply = self._read_reply(self.startup_timeout_s)
+        except VerifyTimeout as exc:
+            raise VerifyWorkerError(f"verify worker did not start in {self.startup_timeout_s} s") from exc
+        if not reply.get("ready"):
+            self._kill()
+            raise VerifyWorkerError(f"verify worker failed to start {self.verify_fn!r}: {reply.get('error')}")
+
+    def _read_reply(self, timeout_s: float) -> dict[str, Any]:
+        """Read one JSON line from the worker, killing it after ``timeout_s`` seconds."""
+        assert self._proc is not None and self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        deadline = time.monotonic() + timeout_s
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._kill()
+                raise VerifyTimeout(f"no answer within {timeout_s} s")
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    self._kill()
+                    raise VerifyWorkerError("verify worker exited unexpectedly")
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def _kill(self) -> None:
+        if self._proc is not None:
+            if self._proc.poll() is None:
+                self._proc.kill()
+            self._proc.wait()
+            for stream in (self._proc.stdin, self._proc.stdout):
+                if stream is not None:
+                    stream.close()
+            self._proc = None
+
+    def check(self, gold: str, pred: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> bool | None:
+        """Equivalence of ``gold`` and ``pred``; None if the verifier could not parse them.
+
+        Raises:
+          VerifyTimeout: no answer within ``timeout_s`` (the worker was killed and replaced).
+          VerifyWorkerError: the worker crashed or the verify function raised.
+        """
+        with self._lock:
+            if os.getpid() != self._pid:  # forked copy: never touch the parent's process
+                self._proc, self._pid = None, os.getpid()
+            if self._proc is None or self._proc.poll() is not None:
+                if self._proc is not None:
+                    self._kill()
+                self._start()
+                self.starts += 1
+            assert self._proc is not None and self._proc.stdin is not None
+            try:
+                self._proc.stdin.write((json.dumps({"gold": gold, "pred": pred}) + "\n").encode())
+                self._proc.stdin.flush()
+            except (BrokenPipeError, OSError) as exc:
+                self._kill()
+                raise VerifyWorkerError(f"verify worker pipe closed: {exc}") from exc
+            reply = self._read_reply(timeout_s)
+        if "error" in reply:
+            raise VerifyWorkerError(reply["error"])
+        return reply["equal"]
+
+    def close(self) -> None:
+        """Stop the worker process (idempotent)."""
+        if os.getpid() == self._pid:
+            self._kill()
+
+
+_DEFAULT_WORKER: VerifyWorker | None = None
+_DEFAULT_WORKER_LOCK = threading.Lock()
+
+
+def default_worker() -> VerifyWorker:
+    """The per-process shared :class:`VerifyWorker` (started lazily on first use)."""
+    global _DEFAULT_WORKER
+    with _DEFAULT_WORKER_LOCK:
+        if _DEFAULT_WORKER is None or _DEFAULT_WORKER._pid != os.getpid():
+            _DEFAULT_WORKER = VerifyWorker()
+        return _DEFAULT_WORKER
+
+
+# ----------------------------------------------------------------------------------------------
+# Grading
+# ----------------------------------------------------------------------------------------------
+
+
+def answers_equivalent(
+    pred: str,
+    gold: str,
+    *,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    worker: VerifyWorker | None = None,
+) -> tuple[bool, dict[str, Any]]:
+    """Decide whether an extracted answer equals the gold answer (see module docstring).
+
+    Returns:
+      ``(equal, info)`` with ``info["method"]`` and, when math-verify failed,
+      ``info["verify_error"]`` (``"timeout"``, ``"unparsed"`` or the exception text).
+    """
+    norm_pred, norm_gold = normalize_answer(pred), normalize_answer(gold)
+    if norm_pred == norm_gold:
+        return True, {"method": "exact"}
+    if re.fullmatch(r"-?\d+", norm_pred) and re.fullmatch(r"-?\d+", norm_gold):
+        return int(norm_pred) == int(norm_gold), {"method": "integer"}
+    worker = worker if worker is not None else default_worker()
+    try:
+        equal = worker.check(gold, strip_units(pred), timeout_s)
+        error = "unparsed" if equal is None else None
+    except VerifyTimeout:
+        error = "timeout"
+    except VerifyWorkerError as exc:
+        error = f"error: {exc}"
+    if error is None:
+        return bool(equal), {"method": "math_verify"}
+    numeric = numeric_equal(pred, gold)
+    if numeric is not None:
+        return numeric, {"method": "numeric", "verify_error": error}
+    return False, {"method": "fallback", "verify_error": error}
+
+
+def grade(
+    output_text: str,
+    gold: str,
+    *,
+    last_number_fallback: bool = True,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    worker: VerifyWorker | None = None,
+) -> Score:
+    """Score a model response against a gold answer: reward 1.0 if equivalent, else 0.0.
+
+    Never raises on bad model output. ``info`` holds ``extracted``, ``extracted_from``,
+    ``gold``, ``method``, and for reward 0 a ``reason``: ``"no_answer"``, ``"wrong"``,
+    ``"timeout"`` or ``"verify_error"``.
+
+    Raises:
+      ValueError: if ``gold`` is empty (a dataset bug, not a model error).
+    """
+    gold = str(gold).strip()
+    if not gold:
+        raise ValueError("grade(): gold answer is empty")
+    answer, source = extract_answer(output_text or "", last_number_fallback=last_number_fallback)
+    info: dict[str, Any] = {"extracted": answer, "extracted_from": source, "gold": gold}
+    if answer is None:
+        return Score(0.0, {**info, "method": "none", "reason": "no_answer"})
+    equal, details = answers_equivalent(answer, gold, timeout_s=timeout_s, worker=worker)
+    info.update(details)
+    if equal:
+        return Score(1.0, info)
+    error = details.get("verify_error")
+    if details["method"] == "fallback":
+        info["reason"] = "timeout" if error == "timeout" else "verify_error"
+    else:
+        info["reason"] = "wrong"
+    return Score(0.0, info)

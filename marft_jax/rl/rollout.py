@@ -1,0 +1,229 @@
+"""Multi-agent rollout: the Flex-MG sequential chain (MARFT) and the parallel baseline.
+
+Within a step the agents act in order 0 … N-1; agent ``i`` generates for every active row at
+once with its adapter, then agent ``i+1`` starts and sees agent ``i``'s output (reference §3).
+In ``parallel`` mode (independent PPO, §10) every agent sees only the task and earlier steps,
+and all agents of a step are generated in one batched sampler call with per-row adapter ids.
+Multi-step episodes append the environment's feedback and continue until the answer is
+accepted (``score ≥ success_threshold``), the horizon is reached (terminal), or the step cap
+``max_steps`` cuts them (truncated, bootstrapped from agent 0's next-step context).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, NamedTuple, Sequence
+
+import jax
+import numpy as np
+
+from marft_jax.envs.chat import ChatTokenizer, StepRecord, build_messages, g1_raw_prompt
+from marft_jax.envs.task import Problem, Score, Transcript
+from marft_jax.rl.trajectory import Trajectory
+from marft_jax.sampling.buckets import length_bucket
+
+
+class Generation(NamedTuple):
+    """Sampler output for ``n`` prompts: tokens ``[n, K]``, lengths ``[n]``, logp ``[n, K]``."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    logp: np.ndarray
+
+
+# (prompts, agent ids [n], max_new_tokens, key) -> Generation
+GenerateFn = Callable[[Sequence[Sequence[int]], np.ndarray, int, jax.Array], Generation]
+# transcripts -> scores (in order); the trainer passes a pooled scorer
+ScoreFn = Callable[[Sequence[Transcript]], Sequence[Score]]
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+    """How episodes are played.
+
+    Attributes:
+      mode: ``"sequential"`` (MARFT chain) or ``"parallel"`` (independent PPO).
+      horizon: H, steps per episode at most (the last one is terminal).
+      max_steps: step cap below H; an unfinished episode is *truncated* there (None = H).
+      max_new_tokens: per-agent token budget K_i (one int for all, or one per agent).
+      context_window: max context + response tokens; a budget shrinks to fit (counted).
+      success_threshold: a step whose score reaches it ends the episode.
+      feedback: the environment's message after an unsuccessful step.
+      prompt_format: ``"chat"`` (the tokenizer's chat template) or ``"g1_raw"`` (parity).
+      min_context_bucket: smallest context bucket (power-of-two buckets above it).
+    """
+
+    mode: str = "sequential"
+    horizon: int = 1
+    max_steps: int | None = None
+    max_new_tokens: int | tuple[int, ...] = 512
+    context_window: int = 2048
+    success_threshold: float = 1.0
+    feedback: str = "The answer is incorrect."
+    prompt_format: str = "chat"
+    min_context_bucket: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("sequential", "parallel"):
+            raise ValueError(f"rollout.mode must be 'sequential' or 'parallel', got {self.mode!r}")
+        if self.horizon < 1:
+            raise ValueError(f"rollout.horizon must be >= 1, got {self.horizon}")
+        if self.max_steps is not None and not 1 <= self.max_steps <= self.horizon:
+            raise ValueError(f"rollout.max_steps must be in [1, horizon={self.horizon}], got {self.max_steps}")
+        if self.prompt_format not in ("chat", "g1_raw"):
+            raise ValueError(f"rollout.prompt_format must be 'chat' or 'g1_raw', got {self.prompt_format!r}")
+
+    def budget(self, agent: int) -> int:
+        k = self.max_new_tokens
+        return int(k[agent] if isinstance(k, (tuple, list)) else k)
+
+    @property
+    def steps(self) -> int:
+        return self.max_steps or self.horizon
+
+
+@dataclasses.dataclass
+class RolloutTexts:
+    """Host-side texts: ``outputs[s][b][i]`` decoded response ('' when not played);
+    ``infos[s][b]``: the scorer's info dict of the step."""
+
+    outputs: list[list[list[str]]]
+    infos: list[list[dict]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Team:
+    """Profiles of the team: role names, system prompts, answering agent."""
+
+    roles: tuple[str, ...]
+    system_prompts: tuple[str, ...]
+    answer_agent: int
+
+    @property
+    def num_agents(self) -> int:
+        return len(self.roles)
+
+
+def _context(team: Team, problem: Problem, agent: int, history, current, cfg: RolloutConfig, tok):
+    if cfg.prompt_format == "g1_raw":
+        return tok.encode_text(g1_raw_prompt(team.system_prompts[agent], problem.view(agent), team.roles,
+                                             history, current, agent))
+    return tok.encode_chat(build_messages(team.system_prompts[agent], problem.view(agent), team.roles,
+                                          history, current))
+
+
+def rollout(
+    problems: Sequence[Problem],
+    *,
+    team: Team,
+    tokenizer: ChatTokenizer,
+    generate: GenerateFn,
+    score: ScoreFn,
+    cfg: RolloutConfig,
+    key: jax.Array,
+) -> tuple[Trajectory, RolloutTexts]:
+    """Play one batch of episodes and return the trajectory (numpy arrays) and the texts."""
+    B, N, S = len(problems), team.num_agents, cfg.steps
+    K = max(cfg.budget(i) for i in range(N))
+    ctx: dict[tuple[int, int, int], list[int]] = {}
+    act = np.zeros((S, B, N, K), np.int32)
+    act_len = np.zeros((S, B, N), np.int32)
+    logp = np.zeros((S, B, N, K), np.float32)
+    words = np.zeros((S, B, N), np.int32)
+    clipped = np.zeros((S, B, N), bool)
+    step_mask = np.zeros((S, B), bool)
+    terminal = np.zeros((S, B), bool)
+    truncated = np.zeros((S, B), bool)
+    score_arr = np.zeros((S, B), np.float32)
+    agent_score = np.zeros((S, B, N), np.float32)
+    outputs = [[["" for _ in range(N)] for _ in range(B)] for _ in range(S)]
+    infos: list[list[dict]] = [[{} for _ in range(B)] for _ in range(S)]
+    history: list[list[StepRecord]] = [[] for _ in range(B)]
+    active = np.ones(B, bool)
+    boot: dict[tuple[int, int], list[int]] = {}
+
+    def run(calls: list[tuple[int, int, list[int]]], s: int, k: jax.Array) -> None:
+        """Generate for (row, agent, prompt) triples and store the results at step s."""
+        agents = np.array([a for _, a, _ in calls], np.int32)
+        budget = max(cfg.budget(a) for a in agents)
+        gen = generate([p for _, _, p in calls], agents, budget, k)
+        for j, (b, a, prompt) in enumerate(calls):
+            ctx[(s, b, a)] = prompt
+            limit = min(cfg.budget(a), max(cfg.context_window - len(prompt), 1))
+            n = int(min(gen.lengths[j], limit))
+            act[s, b, a, :n] = gen.tokens[j, :n]
+            logp[s, b, a, :n] = gen.logp[j, :n]
+            act_len[s, b, a] = n
+            clipped[s, b, a] = n >= limit and (n == 0 or int(gen.tokens[j, n - 1]) not in tokenizer.stop_ids)
+            text = tokenizer.decode(gen.tokens[j, :n]).rstrip()
+            outputs[s][b][a] = text
+            words[s, b, a] = len(text.split())
+
+    for s in range(S):
+        rows = np.flatnonzero(active)
+        if rows.size == 0:
+            break
+        step_mask[s, rows] = True
+        key, *agent_keys = jax.random.split(key, N + 1)
+        if cfg.mode == "sequential":
+            for i in range(N):
+                calls = [(b, i, _context(team, problems[b], i, history[b], outputs[s][b][:i], cfg, tokenizer))
+                         for b in rows]
+                run(calls, s, agent_keys[i])
+        else:
+            calls = [(b, i, _context(team, problems[b], i, history[b], [], cfg, tokenizer))
+                     for b in rows for i in range(N)]
+            run(calls, s, agent_keys[0])
+
+        if cfg.mode == "sequential":
+            transcripts = [Transcript(problems[b], tuple(outputs[s][b]), team.answer_agent) for b in rows]
+            verdicts = list(score(transcripts))
+            for b, v in zip(rows, verdicts):
+                score_arr[s, b] = v.reward
+                agent_score[s, b, :] = v.reward
+                infos[s][b] = dict(v.info)
+            success = score_arr[s, rows] >= cfg.success_threshold
+        else:  # every agent answers and is verified
+            transcripts = [Transcript(problems[b], tuple(outputs[s][b]), i) for b in rows for i in range(N)]
+            verdicts = list(score(transcripts))
+            for j, v in enumerate(verdicts):
+                b, i = rows[j // N], j % N
+                agent_score[s, b, i] = v.reward
+                if i == team.answer_agent:
+                    infos[s][b] = dict(v.info)
+            score_arr[s, rows] = agent_score[s, rows].mean(-1)
+            success = score_arr[s, rows] >= cfg.success_threshold
+
+        last_allowed = s == cfg.horizon - 1
+        term = success | last_allowed
+        trunc = ~term & (s == S - 1)
+        terminal[s, rows] = term
+        truncated[s, rows] = trunc
+        for j, b in enumerate(rows):
+            history[b].append(StepRecord(tuple(outputs[s][b]), None if term[j] else cfg.feedback))
+            if trunc[j]:
+                for i in (range(N) if cfg.mode == "parallel" else [0]):
+                    boot[(b, i)] = _context(team, problems[b], i, history[b], [], cfg, tokenizer)
+        active[rows[term | trunc]] = False
+
+    L = length_bucket(max([len(p) for p in ctx.values()] + [len(p) for p in boot.values()] + [1]),
+                      minimum=cfg.min_context_bucket)
+    pad = tokenizer.pad_id
+    ctx_tokens = np.full((S, B, N, L), pad, np.int32)
+    ctx_valid = np.zeros((S, B, N, L), bool)
+    for (s, b, a), p in ctx.items():
+        ctx_tokens[s, b, a, L - len(p):] = p
+        ctx_valid[s, b, a, L - len(p):] = True
+    boot_tokens = np.full((B, N, L), pad, np.int32)
+    boot_valid = np.zeros((B, N, L), bool)
+    for (b, i), p in boot.items():
+        boot_tokens[b, i, L - len(p):] = p
+        boot_valid[b, i, L - len(p):] = True
+    act_valid = np.arange(K)[None, None, None, :] < act_len[..., None]
+    act = np.where(act_valid, act, pad).astype(np.int32)
+    traj = Trajectory(ctx_tokens=ctx_tokens, ctx_valid=ctx_valid, act_tokens=act, act_valid=act_valid,
+                      sample_logp=logp, word_count=words, step_mask=step_mask, terminal=terminal,
+                      truncated=truncated, score=score_arr, agent_score=agent_score,
+                      boot_ctx_tokens=boot_tokens, boot_ctx_valid=boot_valid, budget_clipped=clipped)
+    traj.check()
+    return traj, RolloutTexts(outputs=outputs, infos=infos)

@@ -1,0 +1,84 @@
+"""The rollout's output: one batch of arrays in the canonical layout, no strings.
+
+Every array carries the step axis first (S = 1 for single-step tasks), then
+``[batch, agent, token]`` (reference §2). Decoded texts stay on the host in
+:class:`RolloutTexts` for scoring and logging; the training path only sees this pytree.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import numpy as np
+
+from marft_jax.rl import layout
+
+
+@flax.struct.dataclass
+class Trajectory:
+    """A batch of episodes.
+
+    Attributes (S steps, B rows, N agents, L context slots, K action slots):
+      ctx_tokens, ctx_valid: ``[S, B, N, L]`` int32 / bool, agent i's context at step s,
+        left-padded.
+      act_tokens, act_valid: ``[S, B, N, K]`` int32 / bool, the response, right-padded;
+        ``act_valid[..., k] = k < length``.
+      sample_logp: ``[S, B, N, K]`` float32, the sampler's log-probs (logged as a mismatch
+        metric against the recomputed ``logp_old``).
+      word_count: ``[S, B, N]`` int32, whitespace-separated words of the decoded response
+        (``word`` log-prob normalization).
+      step_mask: ``[S, B]`` bool, step s was played.
+      terminal, truncated: ``[S, B]`` bool, the episode ended at s by termination / a step cap.
+      score: ``[S, B]`` float32, verifier score of the step (answering agent), in [0, 1].
+      agent_score: ``[S, B, N]`` float32, each agent's own score (independent PPO), else
+        a copy of ``score``.
+      boot_ctx_tokens, boot_ctx_valid: ``[B, N, L]`` each agent's next-step context, the
+        bootstrap state of truncated rows (all-pad elsewhere). The chained backup reads agent
+        0's; independent PPO reads every agent's own.
+      budget_clipped: ``[S, B, N]`` bool, the response hit its token budget.
+    """
+
+    ctx_tokens: jax.Array
+    ctx_valid: jax.Array
+    act_tokens: jax.Array
+    act_valid: jax.Array
+    sample_logp: jax.Array
+    word_count: jax.Array
+    step_mask: jax.Array
+    terminal: jax.Array
+    truncated: jax.Array
+    score: jax.Array
+    agent_score: jax.Array
+    boot_ctx_tokens: jax.Array
+    boot_ctx_valid: jax.Array
+    budget_clipped: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        """``(S, B, N, L, K)``."""
+        s, b, n, l = self.ctx_tokens.shape
+        return s, b, n, l, self.act_tokens.shape[-1]
+
+    def check(self) -> None:
+        """Assert the canonical layout of every field."""
+        sizes = layout.assert_layout(self.ctx_tokens, "ctx_tokens", (*layout.ACTION_AXES, "ctx"))
+        layout.assert_layout(self.ctx_valid, "ctx_valid", (*layout.ACTION_AXES, "ctx"), sizes=sizes)
+        sizes = layout.assert_layout(self.act_tokens, "act_tokens", layout.TOKEN_AXES, sizes=sizes)
+        for name in ("act_valid", "sample_logp"):
+            layout.assert_layout(getattr(self, name), name, layout.TOKEN_AXES, sizes=sizes)
+        for name in ("word_count", "agent_score", "budget_clipped"):
+            layout.assert_layout(getattr(self, name), name, layout.ACTION_AXES, sizes=sizes)
+        for name in ("step_mask", "terminal", "truncated", "score"):
+            layout.assert_layout(getattr(self, name), name, layout.STEP_AXES, sizes=sizes)
+
+    def slice_rows(self, rows) -> "Trajectory":
+        """Select batch rows (host-side numpy or device arrays)."""
+        take = lambda x, axis: x[:, rows] if axis == 1 else x[rows]
+        fields = {}
+        for f in self.__dataclass_fields__:
+            x = getattr(self, f)
+            fields[f] = take(x, 0 if f.startswith("boot_") else 1)
+        return Trajectory(**fields)
+
+    def to_numpy(self) -> "Trajectory":
+        return jax.tree.map(np.asarray, self)

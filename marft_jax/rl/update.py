@@ -1,0 +1,280 @@
+"""PPO updates for the team: critic step, then the agents by schedule, all inside one jit.
+
+Schedules (reference §8):
+
+* ``sequential`` (default): a ``lax.scan`` over agents m = 0 … N-1 updates agent m's adapter
+  with its own optimizer state (both stacked on the agent axis and passed as scan ``xs``). With
+  ``happo_weighting`` the carry holds the per-(step, row) factor
+  ``M^m = Π_{l<m} clip(exp(ℓ^l_after − ℓ^l_old), 1 ± ε_M)`` of the agents already updated in
+  this scan, and agent m trains on ``M^m · Â``.
+* ``concurrent``: every agent is updated from the same minibatch at once (``vmap`` over agents).
+* ``interval``: the same scan, but only the agents flagged in ``train_mask`` change (G1 trains
+  one agent per span of env samples); the others keep bit-identical parameters and state.
+
+Every PPO epoch and minibatch runs inside the jitted :func:`ppo_update`. Micro-batches
+accumulate gradients of *sums* divided by the minibatch's total count, known beforehand from
+the masks, so they equal the full-minibatch masked mean (§9).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import chex
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+
+from marft_jax.models import logprobs as lp_lib
+from marft_jax.models.config import ModelConfig
+from marft_jax.models.critic import CriticParams, critic_features_fn, value_head
+from marft_jax.models.lora import LoraStack
+from marft_jax.rl import layout, losses
+from marft_jax.train.state import OptimConfig, TrainState, critic_optimizer, policy_optimizer
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateConfig:
+    """Static hyper-parameters of the update (hashable: a jit static argument)."""
+
+    level: str = "action"
+    logprob_norm: str = "sum"
+    clip_eps: float = 0.2
+    value_clip_eps: float = 0.2
+    value_loss: str = "huber"
+    huber_delta: float = 10.0
+    ent_coef: float = 0.01
+    vf_coef: float = 1.0
+    adv_norm: str = "minibatch"
+    kl_stop: float | None = 0.02
+    max_grad_norm: float = 0.5
+    critic_max_grad_norm: float = 0.5
+    agent_schedule: str = "sequential"
+    happo_weighting: bool = True
+    happo_clip: float | None = 0.2
+    epochs: int = 1
+    num_minibatches: int = 1
+    micro_batches: int = 1
+    temperature: float = 1.0
+    chunk: int = 128
+    remat: bool = False
+    optim: OptimConfig = OptimConfig()
+
+    @property
+    def token_level(self) -> bool:
+        return self.level == "token"
+
+
+@flax.struct.dataclass
+class UpdateBatch:
+    """Everything the update reads, canonical layout (S steps, B rows, N agents).
+
+    ctx_tokens/ctx_valid ``[S, B, N, L]``; act_tokens/act_valid/logp_old ``[S, B, N, K]``;
+    adv, ret, v_old, dp_mask ``[S, B, N]`` (action level) or ``[S, B, N, K]`` (token level);
+    feats ``[S, B, N, H]`` / ``[S, B, N, K, H]`` cached critic features (ignored with critic
+    LoRA); word_count ``[S, B, N]`` int32.
+    """
+
+    ctx_tokens: jax.Array
+    ctx_valid: jax.Array
+    act_tokens: jax.Array
+    act_valid: jax.Array
+    logp_old: jax.Array
+    adv: jax.Array
+    ret: jax.Array
+    v_old: jax.Array
+    dp_mask: jax.Array
+    feats: jax.Array
+    word_count: jax.Array
+
+
+def _rows_view(x: jax.Array) -> jax.Array:
+    """``[S, b, N, ...] -> [N, S*b, ...]``: agent-major rows for the scan over agents."""
+    x = jnp.moveaxis(x, layout.AGENT_AXIS, 0)
+    return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
+
+
+def _micro(x: jax.Array, m: int) -> jax.Array:
+    """``[R, ...] -> [m, R/m, ...]``."""
+    return x.reshape((m, x.shape[0] // m) + x.shape[1:])
+
+
+def _agent_loss_sums(lora_m: LoraStack, base, cfg: ModelConfig, ucfg: UpdateConfig, d: dict,
+                     happo: jax.Array) -> losses.LossSums:
+    """Agent m's policy loss over (micro-)batch rows ``d`` as exact sums (``lora_m``: 1 agent)."""
+    logp, ent = lp_lib.action_logprobs_fn(
+        base, lora_m, jnp.zeros((), jnp.int32), d["ctx_tokens"], d["ctx_valid"], d["act_tokens"],
+        d["act_valid"], ucfg.temperature, cfg=cfg, chunk=ucfg.chunk, remat=ucfg.remat)
+    if ucfg.token_level:
+        return losses.tppo_policy_loss(logp, d["logp_old"], d["dp_mask"], d["adv"] * happo[:, None],
+                                       clip_eps=ucfg.clip_eps, entropy=ent, ent_coef=ucfg.ent_coef)
+    return losses.appo_policy_loss(logp, d["logp_old"], d["act_valid"], d["adv"] * happo,
+                                   clip_eps=ucfg.clip_eps, norm=ucfg.logprob_norm,
+                                   word_count=d["word_count"], entropy=ent, ent_coef=ucfg.ent_coef,
+                                   action_mask=d["dp_mask"])
+
+
+def _agent_update(base, cfg, ucfg, lora_a, opt_a, d, happo, train_flag):
+    """One optimizer step for one agent: ``lora_a``/``opt_a`` are its slices (no agent axis).
+
+    Micro-batch gradients of ``loss_sum / total`` accumulate in a scan; ``total`` is the
+    minibatch's count of valid decision points, known from the masks beforehand.
+    """
+    lora_m = _with_agent_axis(lora_a)  # the decoder selects agent 0 of a one-agent stack
+    total = jnp.maximum(jnp.sum(d["dp_mask"]), 1).astype(jnp.float32)
+    m = ucfg.micro_batches
+    mb = jax.tree.map(lambda x: _micro(x, m), d)
+    hb = _micro(happo, m)
+
+    def objective(lora, dm, hm):
+        s = _agent_loss_sums(lora, base, cfg, ucfg, dm, hm)
+        return s.loss / total, s
+
+    def acc(carry, xs):
+        g_acc, s_acc = carry
+        (_, s), g = jax.value_and_grad(objective, has_aux=True)(lora_m, *xs)
+        return (jax.tree.map(jnp.add, g_acc, g), losses.add_sums(s_acc, s)), None
+
+    zero = jax.eval_shape(lambda: _agent_loss_sums(lora_m, base, cfg, ucfg, jax.tree.map(lambda x: x[0], mb), hb[0]))
+    zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zero)
+    (grads, sums), _ = jax.lax.scan(acc, (jax.tree.map(jnp.zeros_like, lora_m), zero), (mb, hb))
+    grads, grad_norm = losses.clip_by_global_norm(_without_agent_axis(grads), ucfg.max_grad_norm)
+    updates, new_opt = policy_optimizer(ucfg.optim).update(grads, opt_a, lora_a)
+    new_lora = optax.apply_updates(lora_a, updates)
+    _, met = losses.finalize(sums)
+    (new_lora, new_opt), skipped = losses.kl_early_stop_select(
+        met["approx_kl"], ucfg.kl_stop, (new_lora, new_opt), (lora_a, opt_a))
+    apply = jnp.logical_and(train_flag, ~skipped)
+    new_lora = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new_lora, lora_a)
+    new_opt = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new_opt, opt_a)
+    met = dict(met, grad_norm=grad_norm, kl_skipped=(train_flag & skipped).astype(jnp.float32),
+               updated=apply.astype(jnp.float32), happo_factor=losses.masked_mean(happo, d["act_valid"].any(-1)))
+    return new_lora, new_opt, met
+
+
+def _happo_factor(base, cfg, ucfg, lora_m, d):
+    """``exp(ℓ_after − ℓ_old)`` per row, clipped to ``1 ± happo_clip`` (1 where invalid). [R]."""
+    m = ucfg.micro_batches
+
+    def one(dm):
+        logp, _ = lp_lib.action_logprobs_fn(
+            base, lora_m, jnp.zeros((), jnp.int32), dm["ctx_tokens"], dm["ctx_valid"], dm["act_tokens"],
+            dm["act_valid"], ucfg.temperature, cfg=cfg, chunk=ucfg.chunk, remat=False)
+        norm = dict(norm=ucfg.logprob_norm, word_count=dm["word_count"])
+        return (losses.action_logprob(logp, dm["act_valid"], **norm)
+                - losses.action_logprob(dm["logp_old"], dm["act_valid"], **norm))
+
+    diff = jax.lax.map(one, jax.tree.map(lambda x: _micro(x, m), d)).reshape(-1)
+    ratio = jnp.exp(diff)
+    if ucfg.happo_clip is not None:
+        ratio = jnp.clip(ratio, 1.0 - ucfg.happo_clip, 1.0 + ucfg.happo_clip)
+    valid = d["act_valid"].any(-1)
+    return jax.lax.stop_gradient(jnp.where(valid, ratio, 1.0))
+
+
+def _with_agent_axis(tree):
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def _without_agent_axis(tree):
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def update_agents(base, cfg: ModelConfig, ucfg: UpdateConfig, lora: LoraStack, lora_opt, mb: UpdateBatch,
+                  train_mask: jax.Array):
+    """Update every agent on one minibatch by ``ucfg.agent_schedule``. Returns new (lora, opt, metrics[N])."""
+    fields = ("ctx_tokens", "ctx_valid", "act_tokens", "act_valid", "logp_old", "adv", "dp_mask", "word_count")
+    per_agent = {f: _rows_view(getattr(mb, f)) for f in fields}            # [N, R, ...]
+    num_rows = per_agent["ctx_tokens"].shape[1]
+    ones = jnp.ones((num_rows,), jnp.float32)
+
+    if ucfg.agent_schedule == "concurrent":
+        def one(lora_a, opt_a, d, flag):
+            return _agent_update(base, cfg, ucfg, lora_a, opt_a, d, ones, flag)
+        return jax.vmap(one)(lora, lora_opt, per_agent, train_mask)
+
+    use_happo = ucfg.agent_schedule == "sequential" and ucfg.happo_weighting
+
+    def body(happo, xs):
+        lora_a, opt_a, d, flag = xs
+        new_lora, new_opt, met = _agent_update(base, cfg, ucfg, lora_a, opt_a, d, happo, flag)
+        if use_happo:
+            happo = happo * _happo_factor(base, cfg, ucfg, _with_agent_axis(new_lora), d)
+        return happo, (new_lora, new_opt, met)
+
+    _, (new_lora, new_opt, met) = jax.lax.scan(body, ones, (lora, lora_opt, per_agent, train_mask))
+    return new_lora, new_opt, met
+
+
+def critic_values(critic: CriticParams, base, cfg: ModelConfig, ucfg: UpdateConfig, mb: UpdateBatch):
+    """Values at every decision point of the minibatch: ``[S, b, N]`` or ``[S, b, N, K]``."""
+    if critic.lora is None:
+        return value_head(critic.head, mb.feats)
+    s, b, n, l = mb.ctx_tokens.shape
+    flat = lambda x: x.reshape((s * b * n,) + x.shape[3:])
+    feats = critic_features_fn(base, flat(mb.ctx_tokens), flat(mb.ctx_valid), flat(mb.act_tokens),
+                               flat(mb.act_valid), cfg=cfg, token_level=ucfg.token_level,
+                               lora=critic.lora, remat=ucfg.remat)
+    return value_head(critic.head, feats).reshape(mb.v_old.shape)
+
+
+def critic_update(base, cfg, ucfg, critic: CriticParams, critic_opt, mb: UpdateBatch):
+    def objective(c):
+        v = critic_values(c, base, cfg, ucfg, mb)
+        s = losses.value_loss(v, mb.v_old, mb.ret, mb.dp_mask, clip_eps=ucfg.value_clip_eps,
+                              kind=ucfg.value_loss, huber_delta=ucfg.huber_delta, coef=ucfg.vf_coef)
+        return losses.finalize(s)
+
+    (loss, met), grads = jax.value_and_grad(objective, has_aux=True)(critic)
+    grads, grad_norm = losses.clip_by_global_norm(grads, ucfg.critic_max_grad_norm)
+    updates, new_opt = critic_optimizer(ucfg.optim).update(grads, critic_opt, critic)
+    return optax.apply_updates(critic, updates), new_opt, {"value_loss": met["value_loss"],
+                                                            "value_clip_frac": met["clip_frac"],
+                                                            "grad_norm": grad_norm}
+
+
+def _take_rows(batch: UpdateBatch, idx: jax.Array) -> UpdateBatch:
+    return jax.tree.map(lambda x: jnp.take(x, idx, axis=layout.BATCH_AXIS), batch)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "ucfg"), donate_argnames=("state",))
+def ppo_update(base, state: TrainState, batch: UpdateBatch, train_mask: jax.Array, train_policy: jax.Array,
+               *, cfg: ModelConfig, ucfg: UpdateConfig) -> tuple[TrainState, dict[str, Any]]:
+    """All PPO epochs and minibatches of one iteration.
+
+    Args:
+      base: frozen base parameters (a jit argument, never a closure).
+      state: the train state (donated).
+      batch: :class:`UpdateBatch` of the whole rollout.
+      train_mask: ``[N]`` bool, agents allowed to change (``interval`` trains one).
+      train_policy: bool scalar, False during critic warm-up (only the critic trains).
+    Returns:
+      ``(new_state, metrics)``; per-agent metrics are ``[N]`` means over minibatches.
+    """
+    chex.assert_rank(train_mask, 1)
+    B = batch.ctx_tokens.shape[layout.BATCH_AXIS]
+    nmb = ucfg.num_minibatches
+    if ucfg.adv_norm == "batch":
+        batch = batch.replace(adv=losses.normalize_advantages(batch.adv, batch.dp_mask, mode="batch"))
+    flags = jnp.logical_and(train_mask, train_policy)
+
+    def minibatch(state: TrainState, idx):
+        mb = _take_rows(batch, idx)
+        if ucfg.adv_norm == "minibatch":
+            mb = mb.replace(adv=losses.normalize_advantages(mb.adv, mb.dp_mask, mode="minibatch"))
+        critic, critic_opt, cmet = critic_update(base, cfg, ucfg, state.critic, state.critic_opt, mb)
+        lora, lora_opt, amet = update_agents(base, cfg, ucfg, state.lora, state.lora_opt, mb, flags)
+        state = state.replace(lora=lora, lora_opt=lora_opt, critic=critic, critic_opt=critic_opt)
+        return state, {"critic": cmet, "actor": amet}
+
+    def epoch(state: TrainState, key):
+        perm = jax.random.permutation(key, B).reshape(nmb, B // nmb)
+        return jax.lax.scan(minibatch, state, perm)
+
+    rng, key = jax.random.split(state.rng)
+    state, metrics = jax.lax.scan(epoch, state, jax.random.split(key, ucfg.epochs))
+    metrics = jax.tree.map(lambda x: jnp.mean(x.reshape((-1,) + x.shape[2:]), axis=0), metrics)
+    return state.replace(rng=rng, step=state.step + 1), metrics
