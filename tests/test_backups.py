@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from marft_jax.rl import backups, backups_reference, layout, rewards
 
-IMPLS = ("scan", "associative")
+IMPLS = ("scan", "associative", "blocked")
 HYP = settings(max_examples=15, deadline=None, derandomize=True,
                suppress_health_check=[HealthCheck.too_slow])
 ATOL = 2e-5
@@ -33,7 +33,7 @@ def _jitted(fn_name: str, impl: str, reference_semantics: bool | None = None):
     return jax.jit(functools.partial(fn, **kw))
 
 
-def run(fn_name, *args, impl="scan", reference_semantics=None, gamma, lam):
+def run(fn_name, *args, impl="auto", reference_semantics=None, gamma, lam):
     f = _jitted(fn_name, impl, reference_semantics)
     adv, ret = f(*(jnp.asarray(a) for a in args), gamma=gamma, lam=lam)
     return np.asarray(adv), np.asarray(ret)
@@ -92,7 +92,7 @@ def test_worked_example_token_level(impl):
         np.testing.assert_array_equal(ret[0, row, empty], 0.0)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ["scan", "blocked"])
 def test_worked_example_action_level(impl):
     v = jnp.array([[[0.5, 0.7], [0.5, 0.7]]])                         # [1, 2 rows, 2 agents]
     dp = jnp.ones((1, 2, 2), bool)
@@ -124,6 +124,7 @@ def test_oracle_reproduces_worked_example():
 # Random episodes vs the NumPy loop oracles.
 
 SHAPE = (3, 3, 3, 3)   # S > 1, three agents; empty and one-token responses are drawn too
+SINGLE_AGENT_SHAPE = (3, 4, 1, 3)
 
 
 def make_batch(shape, seed, p_empty, end_mode, g1_rows=False):
@@ -157,10 +158,9 @@ gammas = st.sampled_from([(0.9, 0.8), (0.99, 0.95), (1.0, 1.0), (0.5, 0.0)])
 
 
 @HYP
-@given(seed=st.integers(0, 2**31 - 1),
+@given(shape=st.sampled_from([SHAPE, SINGLE_AGENT_SHAPE]), seed=st.integers(0, 2**31 - 1),
        p_empty=st.sampled_from([0.0, 0.3, 0.8]), gl=gammas)
-def test_token_level_matches_oracle(seed, p_empty, gl):
-    shape = SHAPE
+def test_token_level_matches_oracle(shape, seed, p_empty, gl):
     d = make_batch(shape, seed, p_empty, "any")
     dp = d["act_mask"] & d["step_mask"][:, :, None, None]
     args = (d["reward"], d["value"], dp, d["step_mask"], d["terminal"], d["truncated"], d["v_boot"])
@@ -206,7 +206,7 @@ def test_reference_semantics_matches_g1_masks_oracle(seed, p_empty, gl, level):
         oracle, fn = backups_reference.action_level_gae_reference, "action_level_gae"
     args = (reward, value, dp, d["step_mask"], d["terminal"], d["truncated"], d["v_boot"])
     want_adv, _ = oracle(*args, gamma=gl[0], lam=gl[1], g1_masks=True)
-    for impl in IMPLS if level == "token" else ("scan",):
+    for impl in ("scan", "blocked"):      # associative shares the scan path's link factors
         adv, _ = run(fn, *args, impl=impl, reference_semantics=True, gamma=gl[0], lam=gl[1])
         np.testing.assert_allclose(adv, want_adv, atol=ATOL, rtol=1e-5)
 
@@ -226,15 +226,15 @@ def test_independent_matches_oracle(seed, p_empty, gl, level):
         reward, value = np.where(dp, d["reward"].sum(-1), 0).astype(np.float32), d["value"][..., 0]
     args = (reward, value, dp, d["step_mask"], d["terminal"], d["truncated"], v_boot)
     want_adv, want_ret = backups_reference.independent_gae_reference(*args, gamma=gl[0], lam=gl[1])
-    for impl in IMPLS if level == "token" else ("scan",):
+    for impl in ("scan", "blocked"):
         adv, ret = run("independent_gae", *args, impl=impl, gamma=gl[0], lam=gl[1])
         np.testing.assert_allclose(adv, want_adv, atol=ATOL, rtol=1e-5)
         np.testing.assert_allclose(ret, want_ret, atol=ATOL, rtol=1e-5)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", ["scan", "blocked"])
 def test_single_agent_matches_oracle_and_independent(impl):
-    d = make_batch((3, 4, 1, 3), 7, 0.3, "any")
+    d = make_batch(SINGLE_AGENT_SHAPE, 7, 0.3, "any")
     dp = d["act_mask"] & d["step_mask"][:, :, None, None]
     args = (d["reward"], d["value"], dp, d["step_mask"], d["terminal"], d["truncated"])
     a1, _ = run("token_level_gae", *args, d["v_boot"], impl=impl, gamma=0.9, lam=0.8)
@@ -298,7 +298,7 @@ def test_g1_code_transcription_action_and_token_level():
                         gae = delta + gamma * lam * gae
                     adv_g1[step, thread, agent, token] = gae
     reward = np.where(np.arange(k_) == (lengths - 1)[..., None], rt[..., None], 0.0).astype(np.float32)
-    for impl in ("scan",):
+    for impl in ("scan", "blocked"):
         adv, _ = run("token_level_gae", reward, vt[:s_].astype(np.float32), act_mask, ones, done,
                      np.zeros_like(done), next_value.astype(np.float32), impl=impl,
                      reference_semantics=True, gamma=gamma, lam=lam)
@@ -462,6 +462,17 @@ def test_flatten_roundtrip_and_execution_order():
     np.testing.assert_array_equal(layout.unflatten_agent_sequences(fi, (s_, n_, k_)), x)
     np.testing.assert_array_equal(
         layout.unflatten_agent_sequences(layout.flatten_agent_sequences(xa, "action"), (s_, n_)), xa)
+    # time-major twins are the transposes of the row-major views and round-trip
+    for lvl, arr, dec in (("token", x, (s_, n_, k_)), ("action", xa, (s_, n_))):
+        tm = layout.time_major_decisions(arr, lvl)
+        np.testing.assert_array_equal(tm, layout.flatten_decisions(arr, lvl).T)
+        np.testing.assert_array_equal(layout.from_time_major_decisions(tm, dec), arr)
+        tma = layout.time_major_agent_sequences(arr, lvl)
+        np.testing.assert_array_equal(tma, layout.flatten_agent_sequences(arr, lvl).T)
+        np.testing.assert_array_equal(layout.from_time_major_agent_sequences(tma, dec), arr)
+    tok = layout.token_major(x)
+    assert tok.shape == (k_, s_ * b_ * n_) and int(tok[4, (1 * b_ + 2) * n_ + 3]) == int(x[1, 2, 3, 4])
+    np.testing.assert_array_equal(layout.from_token_major(tok, x.shape), x)
 
 
 def test_assert_layout_reports_name():
@@ -494,7 +505,7 @@ SHARD_SCRIPT = textwrap.dedent("""
     def put(x):
         spec = P("data") if x.ndim == 1 else P(None, "data")
         return jax.device_put(x, NamedSharding(mesh, spec))
-    for impl in ("scan",):
+    for impl in ("auto", "associative"):    # CPU default (blocked) and the accelerator default
         f = jax.jit(lambda *a: backups.token_level_gae(*a, gamma=0.99, lam=0.95, impl=impl))
         want = f(*[jax.device_put(a, jax.devices()[0]) for a in args])
         got = f(*[put(a) for a in args])

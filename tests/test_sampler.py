@@ -122,7 +122,7 @@ def test_bucketing_does_not_change_samples(qwen):
     """Dummy rows and a longer length bucket leave every real row's sample unchanged."""
     _, cfg, params = qwen
     prompts = _prompts(cfg.vocab_size)[:3]
-    conf = smp.SamplingConfig(max_new_tokens=12, temperature=1.0)
+    conf = smp.SamplingConfig(max_new_tokens=16, temperature=1.0)
     key = jax.random.key(3)
     base = smp.Sampler(cfg)(params, prompts, key=key, config=conf)
     wide = smp.Sampler(cfg, min_prompt_bucket=32, min_batch=8, pad_id=7)(params, prompts, key=key, config=conf)
@@ -137,11 +137,11 @@ def test_changing_sampling_values_does_not_recompile(qwen):
     _, cfg, params = qwen
     prompts = _prompts(cfg.vocab_size)
     s = smp.Sampler(cfg)
-    s(params, prompts, key=jax.random.key(0), config=smp.SamplingConfig(max_new_tokens=8, temperature=1.0))
+    s(params, prompts, key=jax.random.key(0), config=smp.SamplingConfig(max_new_tokens=16, temperature=1.0))
     before = (smp.prefill._cache_size(), smp.decode._cache_size())
-    for t in (0.0, 0.5, 1.3):
-        s(params, prompts, key=jax.random.key(0), config=smp.SamplingConfig(max_new_tokens=8, temperature=t),
-          budget=5)
+    for t, stops in ((0.0, [2]), (0.5, [3, 4, 5]), (1.3, [])):
+        s(params, prompts, key=jax.random.key(0), config=smp.SamplingConfig(max_new_tokens=16, temperature=t),
+          budget=5, stop_ids=stops)
     assert (smp.prefill._cache_size(), smp.decode._cache_size()) == before
 
 
@@ -168,21 +168,23 @@ def _allowed(z: np.ndarray, temperature: float, top_k: int, top_p: float, tol: f
 
 
 @settings(max_examples=12, deadline=None)
-@given(top_k=st.sampled_from([0, 1, 2, 3, 5, 10]), top_p=st.sampled_from([1.0, 0.05, 0.3, 0.6, 0.9]),
+@given(top_k=st.sampled_from([1, 2, 3, 5, 10]), top_p=st.sampled_from([1.0, 0.05, 0.3, 0.6, 0.9]),
        temperature=st.floats(0.3, 2.0), seed=st.integers(0, 2 ** 16))
 def test_top_k_top_p_support(qwen, top_k, top_p, temperature, seed):
-    """Every sampled token lies in the top-k set / nucleus computed from the uncached logits."""
+    """Every sampled token lies in the top-k set / nucleus computed from the uncached logits.
+
+    (top-k is always on here so the examples share two compiled programs; top-p alone is
+    checked exactly in test_top_p_threshold_exact.)
+    """
     _, cfg, params = qwen
     prompts = _prompts(cfg.vocab_size)
-    conf = smp.SamplingConfig(max_new_tokens=8, temperature=temperature, top_k=top_k, top_p=top_p)
+    conf = smp.SamplingConfig(max_new_tokens=16, temperature=temperature, top_k=top_k, top_p=top_p)
     out = smp.Sampler(cfg)(params, prompts, key=jax.random.key(seed), config=conf)
     lg = _uncached_logits(cfg, params, prompts, out.tokens, out.lengths)
     for i in range(len(prompts)):
         for k in range(out.lengths[i]):
             ok = _allowed(lg[i, k], temperature, top_k, top_p)
             assert ok[out.tokens[i, k]], (i, k, top_k, top_p)
-            if top_k == 1 or top_p == 0.05 and ok.sum() == 1:
-                assert out.tokens[i, k] == lg[i, k].argmax()
 
 
 def test_top_p_threshold_exact():
@@ -260,17 +262,17 @@ def test_low_level_per_row_stop_ids_and_donation(qwen):
     pb = buckets.pad_prompts(prompts, min_length=BUCKET)
     args = lambda stop: (params, None, jnp.asarray(pb.tokens), jnp.asarray(pb.valid), jnp.asarray(pb.active),
                          jnp.int32(0), stop, jax.random.key(0), smp.SamplingParams.make(0.0),
-                         jnp.int32(12), jnp.int32(0))
-    st0 = smp.prefill(*args(jnp.asarray([-1], jnp.int32)), cfg=cfg, max_new_tokens=12)
+                         jnp.int32(16), jnp.int32(0))
+    st0 = smp.prefill(*args(jnp.asarray(smp.stop_id_array([]))), cfg=cfg, max_new_tokens=16)
     g = np.asarray(smp.decode(params, None, st0, cfg=cfg).tokens)
     assert st0.cache.k.is_deleted() and st0.tokens.is_deleted()          # donated, reused in place
-    per_row = np.full((4, 2), -1, np.int32)
+    per_row = np.full((4, 8), -1, np.int32)
     per_row[0, 0], per_row[2, 1] = g[0, 3], g[2, 6]
-    st = smp.decode(params, None, smp.prefill(*args(jnp.asarray(per_row)), cfg=cfg, max_new_tokens=12), cfg=cfg)
+    st = smp.decode(params, None, smp.prefill(*args(jnp.asarray(per_row)), cfg=cfg, max_new_tokens=16), cfg=cfg)
     res = jax.device_get(smp.result_of(st))
     assert res.lengths[0] == np.nonzero(g[0] == g[0, 3])[0][0] + 1 and res.finished[0]
     assert res.lengths[2] == np.nonzero(g[2] == g[2, 6])[0][0] + 1 and res.finished[2]
-    assert res.lengths[1] == res.lengths[3] == 12 and not res.finished[[1, 3]].any()
+    assert res.lengths[1] == res.lengths[3] == 16 and not res.finished[[1, 3]].any()
 
 
 # ----------------------------------------------------------------------------- (e) agents
@@ -283,7 +285,7 @@ def test_per_row_agent_equals_separate_agents(qwen):
     keys = iter(jax.random.split(jax.random.key(6), 8))
     stack = stack.replace(b={t: 0.5 * jax.random.normal(next(keys), v.shape) for t, v in stack.b.items()})
     s = smp.Sampler(cfg)
-    conf = smp.SamplingConfig(max_new_tokens=12, temperature=1.0)
+    conf = smp.SamplingConfig(max_new_tokens=16, temperature=1.0)
     agents = [0, 2, 1, 2]
     mixed = s(params, prompts, key=jax.random.key(7), config=conf, lora=stack, agent=agents)
     each = [s(params, prompts, key=jax.random.key(7), config=conf, lora=stack, agent=a) for a in range(3)]

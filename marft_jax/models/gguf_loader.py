@@ -127,7 +127,8 @@ def gguf_hf_config(source: ReaderLike) -> dict[str, Any]:
     head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
     value_dim = int(meta.get(f"{arch}.attention.value_length", head_dim))
     if value_dim != head_dim:
-        raise UnsupportedConfigError(f"{name}: {arch}.attention.value_length {value_dim} != key_length {head_dim}")
+        raise UnsupportedConfigError(
+            f"{name}: {arch}.attention.value_length {value_dim} != key_length {head_dim}")
     rope_dims = meta.get(f"{arch}.rope.dimension_count")
     if rope_dims is not None and int(rope_dims) != head_dim:
         raise UnsupportedConfigError(

@@ -12,44 +12,57 @@ execution order (``layout.flatten_decisions``) to one axis ``p = 0 .. P-1`` with
 This one masked reverse linear recurrence reproduces §6(a) (action level, one point per agent)
 and §6(b) (token level): inside a response the next point is the next token; an agent's last
 token links to the first token of the next agent that produced tokens (factor 1); the last
-such agent of step s links to agent 0 of the next step with tokens (factor ``e_s``); agents and
-steps without tokens are skipped (no NaN, no crash).
+such agent of step s links to the first acting agent of the next step (factor ``e_s``); agents
+and steps without tokens are skipped (no NaN, no crash).
 
 Link factors and bootstrap (``reference_semantics=False``, the ``marft_jax`` semantics):
 
-* ``c_p = 0`` iff ``p`` is the last valid point of a *terminal* played step, else 1. (If a
-  terminal step has no valid point at all, the cut moves to the last valid point before it.)
-* ``step_mask`` must be a prefix per row (steps 0 .. s* played).
+* ``c_p = 0`` iff ``p`` is the last valid point of a *terminal* played step, else 1 (if a
+  terminal step has no valid point at all, the cut moves to the last valid point before it).
+  Inside a step the chaining factor is 1.
 * ``V_end = V_boot`` iff the row's last played step s* is ``truncated`` and not ``terminal``;
   otherwise ``V_end = 0`` (terminal rows never bootstrap; a row that is neither terminal nor
   truncated at s* is treated as ended without a bootstrap value). ``A_end = 0`` always: the
   trace is cut at the truncation.
-* Inside a step the chaining factor is 1.
+* ``step_mask`` must be a prefix per row (steps 0 .. s* played); rewards and values off valid
+  points are ignored (they may hold garbage, even NaN).
 
 ``reference_semantics=True`` reproduces G1's buffers (``marft/buffers/*_level_buffer.py``)
 given G1-style masks ``mask_s = 1 - terminal_{s-1}`` (``mask_0 = 1``, G1 never writes it):
 
 * quirk #10: the agent ``i -> i+1`` link inside step s is multiplied by the *current* step's
-  mask, so for ``s >= 1`` with ``terminal[s-1]`` (the first step of an auto-reset episode inside
-  a row) ``c_p = 0`` at the last valid point of every agent ``i < N-1``. Whole-episode rows
-  (terminal only at s*) are unaffected.
+  mask, so for ``s >= 1`` with ``terminal[s-1]`` (the first step of an episode that auto-reset
+  inside a row) ``c_p = 0`` at the last valid point of every agent ``i < N-1``. Whole-episode
+  rows (terminal only at s*) are unaffected.
 * bootstrap: ``V_end = V_boot * (1 - terminal[s*])``; G1 has no truncated flag (it bootstraps
   every unfinished segment end), so ``truncated`` is ignored.
+
 G1's crash on empty token-level responses and its raw-observation bootstrap value (quirks #12,
 #6) are not reproduced: empty responses are skipped, and ``v_boot`` is whatever the caller
 passes.
 
-Implementations (``impl``): ``"scan"`` = one ``lax.scan(reverse=True)`` over p carrying the
-next valid value and advantage, the batch rows as the vector axis; ``"associative"`` = two
-``lax.associative_scan(reverse=True)`` over the first-order recurrences ``x_p = a_p + b_p x_{p+1}``
-(next valid value, then advantage). Both run in float32 and give the same numbers up to float
-rounding. The batch axis carries no dependency, so it may be sharded (``NamedSharding`` with
+Implementations (``impl``), all float32 and equal up to float rounding:
+
+* ``"scan"``: one ``lax.scan(reverse=True)`` over p carrying (next valid value, advantage),
+  the rows as the vector axis. Any ``dp_mask``.
+* ``"associative"``: two ``lax.associative_scan(reverse=True)`` over the first-order linear
+  recurrences ``x_p = a_p + b_p x_{p+1}`` (next valid value, then advantage) with
+  ``combine((a_r, b_r), (a_l, b_l)) = (a_l + b_l a_r, b_l b_r)``. Log depth; best on GPU/TPU.
+  Any ``dp_mask``.
+* ``"blocked"``: the same recurrence solved per response (block = one agent's response):
+  deltas in closed form, a short scan over the chunk sequence for the links between
+  responses, then one scan over the token axis vectorized over every response. Requires
+  right-padded responses (``dp_mask[..., k] = k < K_{s,b,i}``, the layout contract); it reads
+  ``K_{s,b,i} = sum_k dp_mask``. Fastest on CPU.
+* ``"auto"`` (default): ``"blocked"`` on CPU, ``"associative"`` elsewhere.
+
+The batch axis carries no dependency, so it may be sharded (``NamedSharding`` with
 ``P(None, "data")`` on ``[S, B, ...]`` inputs); outputs keep that sharding.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -57,7 +70,7 @@ from jax import lax
 
 from marft_jax.rl import layout
 
-IMPLS = ("scan", "associative")
+IMPLS = ("auto", "scan", "associative", "blocked")
 
 
 class Backup(NamedTuple):
@@ -67,8 +80,17 @@ class Backup(NamedTuple):
     returns: jax.Array
 
 
+def resolve_impl(impl: str) -> str:
+    """``"auto"`` -> ``"blocked"`` on CPU, ``"associative"`` on accelerators."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "auto":
+        return "blocked" if jax.default_backend() == "cpu" else "associative"
+    return impl
+
+
 # ----------------------------------------------------------------------------------------------
-# Core: rows of flattened decision points.
+# Core recurrences.
 
 
 def _linear_combine(right, left):
@@ -82,7 +104,7 @@ def _linear_combine(right, left):
     return a_l + b_l * a_r, b_l * b_r
 
 
-def gae_rows(
+def gae_time_major(
     reward: jax.Array,
     value: jax.Array,
     valid: jax.Array,
@@ -94,27 +116,27 @@ def gae_rows(
     impl: str = "scan",
     unroll: int = 1,
 ) -> jax.Array:
-    """The unified masked reverse GAE recurrence over rows of decision points (§6c).
+    """The unified masked reverse GAE recurrence (§6c), decision points leading.
 
     Args:
-      reward: ``[R, P]`` float, rewards placed on valid points.
-      value: ``[R, P]`` float, V_p.
-      valid: ``[R, P]`` bool, u_p.
-      link: ``[R, P]`` float, c_p (0 cuts both bootstrap and trace after p).
+      reward: ``[P, R]`` float, rewards placed on valid points (ignored elsewhere).
+      value: ``[P, R]`` float, V_p (ignored off valid points).
+      valid: ``[P, R]`` bool, u_p.
+      link: ``[P, R]`` float, c_p (0 cuts both bootstrap and trace after p).
       value_end: ``[R]`` float, V of the virtual point P (bootstrap value or 0).
       gamma, lam: discount and GAE lambda.
       impl: ``"scan"`` or ``"associative"``.
-      unroll: ``lax.scan`` unroll factor (``impl="scan"`` only).
+      unroll: ``lax.scan`` unroll factor (``impl="scan"``).
 
     Returns:
-      ``[R, P]`` float32 advantages, 0 where ``valid`` is False.
+      ``[P, R]`` float32 advantages, 0 where ``valid`` is False.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl not in ("scan", "associative"):
+        raise ValueError(f"gae_time_major: impl must be 'scan' or 'associative', got {impl!r}")
     f32 = jnp.float32
-    r = reward.astype(f32)
-    v = value.astype(f32)
     u = valid.astype(bool)
+    r = jnp.where(u, reward.astype(f32), 0.0)
+    v = jnp.where(u, value.astype(f32), 0.0)
     c = link.astype(f32)
     v_end = value_end.astype(f32)
     gamma = jnp.asarray(gamma, f32)
@@ -124,27 +146,114 @@ def gae_rows(
         def step(carry, x):
             next_v, next_a = carry
             r_p, v_p, u_p, c_p = x
-            delta = r_p + gamma * c_p * next_v - v_p
-            a_p = jnp.where(u_p, delta + gl * c_p * next_a, 0.0)
+            a_p = jnp.where(u_p, r_p + gamma * c_p * next_v - v_p + gl * c_p * next_a, 0.0)
             return (jnp.where(u_p, v_p, next_v), jnp.where(u_p, a_p, next_a)), a_p
 
-        xs = (r.T, v.T, u.T, c.T)                             # time-major view, scan-local
         init = (v_end, jnp.zeros_like(v_end))
-        _, adv = lax.scan(step, init, xs, reverse=True, unroll=unroll)
-        return adv.T
+        _, adv = lax.scan(step, init, (r, v, u, c), reverse=True, unroll=unroll)
+        return adv
 
     # Next valid value after p: N_q = u_q V_q + (1 - u_q) N_{q+1}, N_P = V_end; V_{s(p)} = N_{p+1}.
-    uf = u.astype(f32)
     a_nv, b_nv = lax.associative_scan(
-        _linear_combine, (jnp.where(u, v, 0.0), 1.0 - uf), reverse=True, axis=1)
-    n_q = a_nv + b_nv * v_end[:, None]
-    v_next = jnp.concatenate([n_q[:, 1:], v_end[:, None]], axis=1)
+        _linear_combine, (v, jnp.where(u, 0.0, 1.0)), reverse=True, axis=0)
+    n_q = a_nv + b_nv * v_end[None, :]
+    v_next = jnp.concatenate([n_q[1:], v_end[None, :]], axis=0)
     delta = r + gamma * c * v_next - v
     # A_p = u_p delta_p + (u_p gamma lam c_p + 1 - u_p) A_{p+1}, A_P = 0.
     a_adv, _ = lax.associative_scan(
         _linear_combine, (jnp.where(u, delta, 0.0), jnp.where(u, gl * c, 1.0)),
-        reverse=True, axis=1)
+        reverse=True, axis=0)
     return jnp.where(u, a_adv, 0.0)
+
+
+def gae_rows(reward, value, valid, link, value_end, *, gamma, lam, impl="scan", unroll=1):
+    """:func:`gae_time_major` for row-major ``[R, P]`` inputs; returns ``[R, P]`` float32."""
+    t = lambda x: jnp.swapaxes(x, 0, 1)
+    return t(gae_time_major(t(reward), t(value), t(valid), t(link), value_end,
+                            gamma=gamma, lam=lam, impl=impl, unroll=unroll))
+
+
+def _gae_blocked(
+    reward: jax.Array,
+    value: jax.Array,
+    length: jax.Array,
+    chunk_link: jax.Array,
+    value_end: jax.Array,
+    to_chunks: Callable[[jax.Array], jax.Array],
+    from_chunks: Callable[[jax.Array], jax.Array],
+    *,
+    gamma: float | jax.Array,
+    lam: float | jax.Array,
+) -> jax.Array:
+    """Blocked solve of the §6c recurrence, one block per response.
+
+    Args:
+      reward, value: ``[S, B, N, K]`` float32 (entries off valid points are ignored).
+      length: ``[S, B, N]`` int32, K_{s,b,i}; valid points are ``k < length``.
+      chunk_link: ``[S, B, N]`` float32, c at the response's last token.
+      value_end: ``[R]`` float32, V of the virtual end point of each sequence.
+      to_chunks: ``[S, B, N]`` -> ``[C, R]``, responses in sequence order (time-major).
+      from_chunks: inverse of ``to_chunks``.
+
+    Inside a response, ``A_k = delta_k + gl * A_{k+1}`` with ``delta_k = r_k + gamma V_{k+1} - V_k``
+    (the last token: ``r + gamma c V_next - V`` and ``A_next`` scaled by ``c``), so
+    ``A_0 = sum_k gl^k delta_k + gl^K c A_next``: a short scan over responses gives every
+    response's ``A_next``; folding ``gl c A_next`` into the last token's delta, one scan over
+    tokens (vectorized over all responses, no mask needed: padding sits after each response
+    and has delta = 0) fills in the rest.
+
+    Returns:
+      ``[S, B, N, K]`` float32 advantages, zero off valid points.
+    """
+    f32 = jnp.float32
+    shape = reward.shape
+    gamma = jnp.asarray(gamma, f32)
+    gl = gamma * jnp.asarray(lam, f32)
+    k = jnp.arange(shape[-1], dtype=jnp.int32)
+    valid = k < length[..., None]
+    has = length > 0
+
+    # V of the next response's first token (or V_end), per response, in sequence order.
+    def next_value(carry, x):
+        h, v0 = x
+        return jnp.where(h, v0, carry), carry
+
+    _, v_after = lax.scan(next_value, value_end, (to_chunks(has), to_chunks(value[..., 0])),
+                          reverse=True)
+    v_after = from_chunks(v_after)                                      # [S, B, N]
+
+    is_last = k == (length - 1)[..., None]
+    v_shift = jnp.concatenate([value[..., 1:], jnp.zeros_like(value[..., :1])], axis=-1)
+    v_next = jnp.where(is_last, (chunk_link * v_after)[..., None], v_shift)
+    delta = jnp.where(valid, reward + gamma * v_next - value, 0.0)
+
+    # A at each response's first token = head + gain * A_next (A_next: next response's A_0).
+    head = jnp.sum(delta * jnp.power(gl, k.astype(f32)), axis=-1)      # sum_k gl^k delta_k
+    gain = chunk_link * jnp.power(gl, length.astype(f32))
+
+    def next_adv(carry, x):
+        h, a0, g0 = x
+        return jnp.where(h, a0 + g0 * carry, carry), carry
+
+    _, a_after = lax.scan(next_adv, jnp.zeros_like(value_end),
+                          (to_chunks(has), to_chunks(head), to_chunks(gain)), reverse=True)
+    # Fold the link into the last token's delta; then A_k = delta_k + gl * A_{k+1} with A = 0
+    # after the response: padding (delta = 0, at the end of each response) keeps A at 0.
+    link_term = (gl * chunk_link * from_chunks(a_after))[..., None]
+    delta = delta + jnp.where(is_last, link_term, 0.0)
+
+    def token_step(carry, d):
+        carry = d + gl * carry
+        return carry, carry
+
+    width = delta.shape[0] * delta.shape[1] * delta.shape[2]
+    _, adv = lax.scan(token_step, jnp.zeros((width,), f32), layout.token_major(delta),
+                      reverse=True)
+    return layout.from_token_major(adv, shape)
+
+
+# ----------------------------------------------------------------------------------------------
+# Masks, link factors, bootstrap.
 
 
 def _last_valid(valid: jax.Array) -> jax.Array:
@@ -177,31 +286,24 @@ def _step_cuts(has_valid: jax.Array, terminal: jax.Array) -> jax.Array:
     return jnp.stack(cuts[::-1], axis=0)
 
 
-def _marft_links(valid: jax.Array, terminal: jax.Array, reference_semantics: bool) -> jax.Array:
-    """Link factors c_p of the chained backup, in the canonical layout.
+def _marft_chunk_links(has: jax.Array, terminal: jax.Array, reference_semantics: bool) -> jax.Array:
+    """Link factor at each response's last token, chained backup.
 
     Args:
-      valid: ``[S, B, N, K]`` bool (action level: K = 1).
+      has: ``[S, B, N]`` bool, the agent produced >= 1 valid point at step s.
       terminal: ``[S, B]`` bool, already masked by ``step_mask``.
 
     Returns:
-      ``[S, B, N, K]`` float32: 0 at the last valid point of each terminal step (and of a step
-      whose link would cross a terminal step without valid points); with
-      ``reference_semantics`` also 0 at the last valid point of each agent ``i < N-1`` of a step
-      ``s >= 1`` following a terminal step (G1's intra-step mask, quirk #10); 1 elsewhere.
+      ``[S, B, N]`` float32: 0 for the last acting agent of a step whose link crosses a
+      terminal step; with ``reference_semantics`` also 0 for agents ``i < N-1`` of a step
+      ``s >= 1`` that follows a terminal step (G1's intra-step mask, quirk #10); 1 elsewhere.
     """
-    agent_last = _last_valid(valid)                                     # [S, B, N, K]
-    agent_any = jnp.any(valid, axis=-1)                                 # [S, B, N]
-    step_last_agent = _last_valid(agent_any)                            # [S, B, N]
-    cut = jnp.logical_and(agent_last, step_last_agent[..., None])
-    step_cut = _step_cuts(jnp.any(agent_any, axis=-1), terminal)        # [S, B]
-    cut = jnp.logical_and(cut, step_cut[:, :, None, None])
+    cut = jnp.logical_and(_last_valid(has), _step_cuts(jnp.any(has, axis=-1), terminal)[..., None])
     if reference_semantics:
-        prev_terminal = jnp.concatenate(
-            [jnp.zeros_like(terminal[:1]), terminal[:-1]], axis=0)      # G1: 1 - masks[s]
-        not_last_agent = jnp.arange(valid.shape[2]) < valid.shape[2] - 1
+        prev_terminal = jnp.concatenate([jnp.zeros_like(terminal[:1]), terminal[:-1]], axis=0)
+        not_last_agent = jnp.arange(has.shape[2]) < has.shape[2] - 1
         quirk = jnp.logical_and(prev_terminal[:, :, None], not_last_agent[None, None, :])
-        cut = jnp.logical_or(cut, jnp.logical_and(agent_last, quirk[..., None]))
+        cut = jnp.logical_or(cut, jnp.logical_and(has, quirk))
     return jnp.where(cut, 0.0, 1.0).astype(jnp.float32)
 
 
@@ -217,14 +319,16 @@ def _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level)
 
 def _prepare(reward, value, dp_mask, step_mask, terminal):
     """Token-shaped float32 copies (action level gets a K = 1 axis), masked validity/terminal."""
-    action_level = value.ndim == 3
-    expand = (lambda x: x[..., None]) if action_level else (lambda x: x)
+    expand = (lambda x: x[..., None]) if value.ndim == 3 else (lambda x: x)
     step_mask = step_mask.astype(bool)
     terminal = jnp.logical_and(terminal.astype(bool), step_mask)
     valid = jnp.logical_and(expand(dp_mask.astype(bool)), step_mask[:, :, None, None])
-    r = jnp.where(valid, expand(reward.astype(jnp.float32)), 0.0)
-    v = jnp.where(valid, expand(value.astype(jnp.float32)), 0.0)   # pads may hold garbage/NaN
-    return r, v, valid, step_mask, terminal
+    # Not masked here: every implementation selects with the validity mask where it reads
+    # them (pads may hold garbage, even NaN).
+    r = expand(reward.astype(jnp.float32))
+    v = expand(value.astype(jnp.float32))
+    length = jnp.sum(valid, axis=-1, dtype=jnp.int32)               # [S, B, N] valid points
+    return r, v, valid, length, step_mask, terminal
 
 
 def _row_end(step_mask, terminal, truncated, reference_semantics):
@@ -234,6 +338,30 @@ def _row_end(step_mask, terminal, truncated, reference_semantics):
         return jnp.logical_and(jnp.any(step_mask, axis=0), jnp.logical_not(term_last))
     trunc_last = layout.at_last_played_step(truncated, step_mask)
     return jnp.logical_and(trunc_last, jnp.logical_not(term_last))
+
+
+def _solve(r, v, valid, length, chunk_link, v_end, *, independent, gamma, lam, impl, unroll):
+    """Dispatch to an implementation. Inputs token-shaped ``[S, B, N, K]``; returns adv, same."""
+    impl = resolve_impl(impl)
+    s_, _, n_, k_ = r.shape
+    if impl == "blocked":
+        if independent:
+            to_c = lambda x: layout.time_major_agent_sequences(x, "action")
+            from_c = lambda x: layout.from_time_major_agent_sequences(x, (s_, n_))
+        else:
+            to_c = lambda x: layout.time_major_decisions(x, "action")
+            from_c = lambda x: layout.from_time_major_decisions(x, (s_, n_))
+        return _gae_blocked(r, v, length, chunk_link, v_end, to_c, from_c, gamma=gamma, lam=lam)
+    link = jnp.where(_last_valid(valid), chunk_link[..., None], 1.0)
+    if independent:
+        tm = lambda x: layout.time_major_agent_sequences(x, "token")
+        back = lambda x: layout.from_time_major_agent_sequences(x, (s_, n_, k_))
+    else:
+        tm = lambda x: layout.time_major_decisions(x, "token")
+        back = lambda x: layout.from_time_major_decisions(x, (s_, n_, k_))
+    adv = gae_time_major(tm(r), tm(v), tm(valid), tm(link), v_end,
+                         gamma=gamma, lam=lam, impl=impl, unroll=unroll)
+    return back(adv)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,7 +379,7 @@ def marft_gae(
     *,
     gamma: float | jax.Array,
     lam: float | jax.Array,
-    impl: str = "scan",
+    impl: str = "auto",
     reference_semantics: bool = False,
     unroll: int = 1,
 ) -> Backup:
@@ -261,14 +389,15 @@ def marft_gae(
       reward: ``[S, B, N]`` (action) or ``[S, B, N, K]`` (token) float, placed rewards
         (``rewards.place_reward``); entries off valid points are ignored.
       value: same shape, float, critic value per decision point.
-      dp_mask: same shape, bool, valid decision points.
-      step_mask: ``[S, B]`` bool, step played.
+      dp_mask: same shape, bool, valid decision points (``layout.action_decision_mask`` /
+        ``layout.token_decision_mask``).
+      step_mask: ``[S, B]`` bool, step played (a prefix per row).
       terminal: ``[S, B]`` bool, episode ended at s by termination (no bootstrap).
       truncated: ``[S, B]`` bool, episode ended at s by a step cap (bootstrap from ``v_boot``).
       v_boot: ``[B]`` float, critic value at agent 0's context of step s*+1.
       gamma, lam: discount and GAE lambda (action default 0.99 / 0.95, token 1 / 1).
-      impl: ``"scan"`` (default) or ``"associative"``.
-      reference_semantics: reproduce G1's masks (quirk #10) and bootstrap; see module doc.
+      impl: ``"auto"`` | ``"scan"`` | ``"associative"`` | ``"blocked"`` (module doc).
+      reference_semantics: reproduce G1's masks (quirk #10) and bootstrap (module doc).
       unroll: ``lax.scan`` unroll (``impl="scan"``).
 
     Returns:
@@ -278,19 +407,14 @@ def marft_gae(
     level = layout.level_of(value)
     dims = _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level)
     layout.assert_layout(v_boot, "v_boot", (layout.BATCH,), sizes=dims)
-    r, v, valid, step_mask, terminal = _prepare(reward, value, dp_mask, step_mask, terminal)
-    link = _marft_links(valid, terminal, reference_semantics)
+    r, v, valid, length, step_mask, terminal = _prepare(reward, value, dp_mask, step_mask, terminal)
+    chunk_link = _marft_chunk_links(length > 0, terminal, reference_semantics)
     use_boot = _row_end(step_mask, terminal, truncated.astype(bool), reference_semantics)
     v_end = jnp.where(use_boot, v_boot.astype(jnp.float32), 0.0)
-
-    flat = lambda x: layout.flatten_decisions(x, "token")              # [B, P]
-    u = flat(valid)
-    v_flat = flat(v)
-    adv = gae_rows(flat(r), v_flat, u, flat(link), v_end,
-                   gamma=gamma, lam=lam, impl=impl, unroll=unroll)
-    ret = jnp.where(u, adv + v_flat, 0.0)
-    unflat = lambda x: layout.unflatten_decisions(x, valid.shape[:1] + valid.shape[2:]).reshape(value.shape)
-    return Backup(unflat(adv), unflat(ret))
+    adv = _solve(r, v, valid, length, chunk_link, v_end, independent=False,
+                 gamma=gamma, lam=lam, impl=impl, unroll=unroll)
+    ret = jnp.where(valid, adv + v, 0.0)
+    return Backup(adv.reshape(value.shape), ret.reshape(value.shape))
 
 
 def action_level_gae(
@@ -304,7 +428,7 @@ def action_level_gae(
     *,
     gamma: float | jax.Array = 0.99,
     lam: float | jax.Array = 0.95,
-    impl: str = "scan",
+    impl: str = "auto",
     reference_semantics: bool = False,
 ) -> Backup:
     """MARFT-A backup (§6a). ``reward``, ``value``, ``dp_mask``: ``[S, B, N]``; see :func:`marft_gae`."""
@@ -325,7 +449,7 @@ def token_level_gae(
     *,
     gamma: float | jax.Array = 1.0,
     lam: float | jax.Array = 1.0,
-    impl: str = "scan",
+    impl: str = "auto",
     reference_semantics: bool = False,
 ) -> Backup:
     """MARFT-T backup (§6b). ``reward``, ``value``, ``dp_mask``: ``[S, B, N, K]``; see :func:`marft_gae`."""
@@ -350,7 +474,7 @@ def independent_gae(
     *,
     gamma: float | jax.Array,
     lam: float | jax.Array,
-    impl: str = "scan",
+    impl: str = "auto",
     unroll: int = 1,
 ) -> Backup:
     """Independent-PPO backup: each agent's own sequence of decision points over steps.
@@ -364,6 +488,7 @@ def independent_gae(
         rewards placed on each agent's own points (``place_reward(..., reward_to="all")``).
       step_mask, terminal, truncated: ``[S, B]`` bool (the episode is shared by all agents).
       v_boot: ``[B, N]`` float, each agent's bootstrap value at its own next-step context.
+      impl: as in :func:`marft_gae`.
 
     Returns:
       :class:`Backup` in the input layout, float32, zero on invalid points.
@@ -371,19 +496,13 @@ def independent_gae(
     level = layout.level_of(value)
     dims = _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level)
     layout.assert_layout(v_boot, "v_boot", (layout.BATCH, layout.AGENT), sizes=dims)
-    r, v, valid, step_mask, terminal = _prepare(reward, value, dp_mask, step_mask, terminal)
-    # Each agent's own sequence: cut after its last valid point of a terminal step.
-    step_cut = _step_cuts(jnp.any(valid, axis=-1), terminal[:, :, None])          # [S, B, N]
-    link = jnp.where(jnp.logical_and(_last_valid(valid), step_cut[..., None]), 0.0, 1.0)
+    r, v, valid, length, step_mask, terminal = _prepare(reward, value, dp_mask, step_mask, terminal)
+    has = length > 0                                                    # [S, B, N]
+    cut = jnp.logical_and(has, _step_cuts(has, terminal[:, :, None]))   # per agent sequence
+    chunk_link = jnp.where(cut, 0.0, 1.0).astype(jnp.float32)
     use_boot = _row_end(step_mask, terminal, truncated.astype(bool), False)          # [B]
-    v_end = jnp.where(use_boot[:, None], v_boot.astype(jnp.float32), 0.0).reshape(-1)
-
-    flat = lambda x: layout.flatten_agent_sequences(x, "token")        # [B*N, S*K]
-    u = flat(valid)
-    v_flat = flat(v)
-    adv = gae_rows(flat(r), v_flat, u, flat(link), v_end,
-                   gamma=gamma, lam=lam, impl=impl, unroll=unroll)
-    ret = jnp.where(u, adv + v_flat, 0.0)
-    unflat = lambda x: layout.unflatten_agent_sequences(
-        x, valid.shape[:1] + valid.shape[2:]).reshape(value.shape)
-    return Backup(unflat(adv), unflat(ret))
+    v_end = jnp.where(use_boot[:, None], v_boot.astype(jnp.float32), 0.0).reshape(-1)  # [B*N]
+    adv = _solve(r, v, valid, length, chunk_link, v_end, independent=True,
+                 gamma=gamma, lam=lam, impl=impl, unroll=unroll)
+    ret = jnp.where(valid, adv + v, 0.0)
+    return Backup(adv.reshape(value.shape), ret.reshape(value.shape))

@@ -5,10 +5,13 @@ Every trajectory array is ``[step, batch, agent, token]`` (token level), ``[step
 ``hidden``). The step axis is always present (S = 1 for single-step tasks).
 
 Backups read one row (= one episode) as a single sequence of decision points in *execution
-order* step -> agent -> token. :func:`flatten_decisions` / :func:`unflatten_decisions` are the
-only place that reshape/transpose is written; :func:`flatten_agent_sequences` /
-:func:`unflatten_agent_sequences` are the only place the per-agent (independent PPO) view is
-written. Flat row ``r`` of the per-agent view is ``(batch r // N, agent r % N)``.
+order* step -> agent -> token. :func:`flatten_decisions` / :func:`unflatten_decisions` (and
+their time-major twins for scans, :func:`time_major_decisions`) are the only place that
+reshape/transpose is written; :func:`flatten_agent_sequences` /
+:func:`unflatten_agent_sequences` (and :func:`time_major_agent_sequences`) are the only place
+the per-agent (independent PPO) view is written. Flat row ``r`` of the per-agent view is
+``(batch r // N, agent r % N)``. :func:`token_major` is the token-leading view of every
+response used by the blocked backup.
 
 Masks are derived from lengths / ``act_mask``, never by comparing token ids with a pad id.
 """
@@ -141,9 +144,43 @@ def unflatten_decisions(x: jax.Array, decision_shape: Sequence[int]) -> jax.Arra
     return jnp.moveaxis(x, 0, BATCH_AXIS)
 
 
-def flatten_steps(x: jax.Array) -> jax.Array:
-    """``[S, B, *rest]`` -> ``[B, S, *rest]``: per-row view of a per-step array."""
-    return jnp.moveaxis(x, STEP_AXIS, 1)
+def time_major_decisions(x: jax.Array, level: str = "token") -> jax.Array:
+    """Time-major view of :func:`flatten_decisions` for a scan over decision points.
+
+    ``[S, B, N, K, *rest]`` -> ``[P, B, *rest]`` (``[S, B, N, *rest]`` -> ``[S*N, B, *rest]`` at
+    action level) with one transpose; ``p`` as in :func:`flatten_decisions`. Keep this view
+    inside the scan that needs it.
+    """
+    d = _num_decision_axes(level)
+    shape = jnp.shape(x)
+    dec = (shape[0],) + tuple(shape[2:d + 1])
+    x = jnp.moveaxis(x, BATCH_AXIS, d)                       # [S, N, (K), B, *rest]
+    p = 1
+    for n in dec:
+        p *= n
+    return x.reshape((p, shape[BATCH_AXIS]) + tuple(shape[d + 1:]))
+
+
+def from_time_major_decisions(x: jax.Array, decision_shape: Sequence[int]) -> jax.Array:
+    """Inverse of :func:`time_major_decisions`: ``[P, B, *rest]`` -> ``[S, B, N, (K), *rest]``."""
+    decision_shape = tuple(int(n) for n in decision_shape)
+    shape = jnp.shape(x)
+    x = x.reshape(decision_shape + tuple(shape[1:]))         # [S, N, (K), B, *rest]
+    return jnp.moveaxis(x, len(decision_shape), BATCH_AXIS)
+
+
+def token_major(x: jax.Array) -> jax.Array:
+    """``[S, B, N, K]`` -> ``[K, S*B*N]``: the token axis leading, every response a column.
+
+    Used by the blocked backup for a scan over tokens vectorized over all responses.
+    """
+    s, b, n, k = jnp.shape(x)
+    return x.reshape(s * b * n, k).T
+
+
+def from_token_major(x: jax.Array, shape: Sequence[int]) -> jax.Array:
+    """Inverse of :func:`token_major`: ``[K, S*B*N]`` -> ``[S, B, N, K]`` (``shape``)."""
+    return x.T.reshape(tuple(shape))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -192,12 +229,31 @@ def unflatten_agent_sequences(x: jax.Array, decision_shape: Sequence[int]) -> ja
     return x
 
 
-def agent_rows(x: jax.Array, num_agents: int) -> jax.Array:
-    """``[S, B, *rest]`` per-step array -> ``[B*N, S, *rest]``, repeated for each agent's row."""
-    x = jnp.moveaxis(x, STEP_AXIS, 1)                       # [B, S, *rest]
-    b = x.shape[0]
-    x = jnp.broadcast_to(x[:, None], (b, num_agents) + x.shape[1:])
-    return x.reshape((b * num_agents,) + x.shape[2:])
+def time_major_agent_sequences(x: jax.Array, level: str = "token") -> jax.Array:
+    """Time-major view of :func:`flatten_agent_sequences`: ``[S, B, N, (K), *rest]`` ->
+    ``[S*K (or S), B*N, *rest]`` with column ``b*N + i``. Keep it inside the scan that needs it."""
+    d = _num_decision_axes(level)
+    shape = jnp.shape(x)
+    s, b, n = shape[0], shape[1], shape[2]
+    k = shape[3] if d == 3 else 1
+    rest = tuple(shape[d + 1:])
+    x = x.reshape((s, b, n, k) + rest)
+    x = jnp.moveaxis(x, 3, 1)                                # [S, K, B, N, *rest]
+    return x.reshape((s * k, b * n) + rest)
+
+
+def from_time_major_agent_sequences(x: jax.Array, decision_shape: Sequence[int]) -> jax.Array:
+    """Inverse of :func:`time_major_agent_sequences`."""
+    decision_shape = tuple(int(n) for n in decision_shape)
+    s, n = decision_shape[0], decision_shape[1]
+    k = decision_shape[2] if len(decision_shape) == 3 else 1
+    shape = jnp.shape(x)
+    rest = tuple(shape[2:])
+    b = shape[1] // n
+    x = jnp.moveaxis(x.reshape((s, k, b, n) + rest), 1, 3)   # [S, B, N, K, *rest]
+    if len(decision_shape) == 2:
+        x = x.reshape((s, b, n) + rest)
+    return x
 
 
 # ----------------------------------------------------------------------------------------------

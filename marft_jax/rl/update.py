@@ -196,16 +196,22 @@ def update_agents(base, cfg: ModelConfig, ucfg: UpdateConfig, lora: LoraStack, l
             return _agent_update(base, cfg, ucfg, lora_a, opt_a, d, ones, flag)
         return jax.vmap(one)(lora, lora_opt, per_agent, train_mask)
 
-    use_happo = ucfg.agent_schedule == "sequential" and ucfg.happo_weighting
+    num_agents = train_mask.shape[0]
+    use_happo = ucfg.agent_schedule == "sequential" and ucfg.happo_weighting and num_agents > 1
 
     def body(happo, xs):
-        lora_a, opt_a, d, flag = xs
+        index, lora_a, opt_a, d, flag = xs
         new_lora, new_opt, met = _agent_update(base, cfg, ucfg, lora_a, opt_a, d, happo, flag)
         if use_happo:
-            happo = happo * _happo_factor(base, cfg, ucfg, _with_agent_axis(new_lora), d)
+            # The last agent's factor would only feed agents after it: skip its extra forward.
+            happo = jax.lax.cond(
+                index < num_agents - 1,
+                lambda h: h * _happo_factor(base, cfg, ucfg, _with_agent_axis(new_lora), d),
+                lambda h: h, happo)
         return happo, (new_lora, new_opt, met)
 
-    _, (new_lora, new_opt, met) = jax.lax.scan(body, ones, (lora, lora_opt, per_agent, train_mask))
+    xs = (jnp.arange(num_agents), lora, lora_opt, per_agent, train_mask)
+    _, (new_lora, new_opt, met) = jax.lax.scan(body, ones, xs)
     return new_lora, new_opt, met
 
 

@@ -376,6 +376,14 @@ class SamplingConfig:
         SamplingParams.make(self.temperature, self.top_k, self.top_p)  # validates
 
 
+def stop_id_array(ids: Sequence[int], minimum: int = 8) -> np.ndarray:
+    """Stop ids padded with -1 to a power-of-two size (>= ``minimum``): ``[num_stop]`` int32."""
+    size = buckets.length_bucket(len(ids), minimum=minimum)
+    out = np.full((size,), -1, np.int32)
+    out[:len(ids)] = np.asarray(ids, np.int32)
+    return out
+
+
 class Sampler:
     """Host-side entry point: token-id lists in, NumPy results out (trimmed to the real rows).
 
@@ -438,7 +446,7 @@ class Sampler:
         if lora is None:
             agent_arr = jnp.int32(0)
         ids = self.stop_ids if stop_ids is None else tuple(int(i) for i in stop_ids)
-        stop = jnp.asarray(np.asarray(ids or (-1,), np.int32))
+        stop = jnp.asarray(stop_id_array(ids))
         sampling = SamplingParams.make(config.temperature, config.top_k, config.top_p)
         top_k_max = top_k_bucket(config.top_k, self.cfg.vocab_size)
         use_top_p = config.top_p < 1.0

@@ -41,7 +41,7 @@ class AdvantageConfig:
     reference_semantics: bool = False
     temperature: float = 1.0
     chunk: int = 128
-    rows_per_call: int = 16             # sequences per forward (static shape; memory bound)
+    rows_per_call: int = 64             # sequences per forward (static shape; memory bound)
 
 
 def _flat(x: jax.Array) -> jax.Array:
@@ -113,28 +113,11 @@ def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Traj
         v_boot[idx] = np.asarray(value_head(critic.head, jnp.asarray(bf)))
     v_boot = v_boot.reshape(B, N)
 
-    step_mask = jnp.asarray(traj.step_mask)
     act_valid = jnp.asarray(traj.act_valid)
-    dp = (layout.token_decision_mask(act_valid, step_mask) if token_level
-          else layout.action_decision_mask(act_valid, step_mask))
-    value = jnp.where(dp, value, 0.0)
-    if acfg.independent:
-        own = jax.vmap(lambda s: rewards.final_step_reward(s, step_mask), in_axes=2, out_axes=1)(
-            jnp.asarray(traj.agent_score))                                   # [B, N]
-        r = rewards.mix_independent_rewards(own, acfg.ippo_own_weight)
-        r = rewards.transform_reward(r, bias=acfg.reward_bias, scale=acfg.reward_scale, clip=acfg.reward_clip)
-        placed = rewards.place_reward(r, dp, step_mask, reward_to="all")
-        adv, ret = backups.independent_gae(placed, value, dp, step_mask, jnp.asarray(traj.terminal),
-                                           jnp.asarray(traj.truncated), jnp.asarray(v_boot),
-                                           gamma=acfg.gamma, lam=acfg.lam)
-    else:
-        r = rewards.final_step_reward(jnp.asarray(traj.score), step_mask)
-        r = rewards.transform_reward(r, bias=acfg.reward_bias, scale=acfg.reward_scale, clip=acfg.reward_clip)
-        placed = rewards.place_reward(r, dp, step_mask, reward_to=acfg.reward_to)
-        adv, ret = backups.marft_gae(placed, value, dp, step_mask, jnp.asarray(traj.terminal),
-                                     jnp.asarray(traj.truncated), jnp.asarray(v_boot[:, 0]),
-                                     gamma=acfg.gamma, lam=acfg.lam,
-                                     reference_semantics=acfg.reference_semantics)
+    value, dp, placed, adv, ret = _advantages(
+        jnp.asarray(value), act_valid, jnp.asarray(traj.step_mask), jnp.asarray(traj.score),
+        jnp.asarray(traj.agent_score), jnp.asarray(traj.terminal), jnp.asarray(traj.truncated),
+        jnp.asarray(v_boot), acfg=acfg)
     batch = UpdateBatch(ctx_tokens=jnp.asarray(traj.ctx_tokens), ctx_valid=jnp.asarray(traj.ctx_valid),
                         act_tokens=jnp.asarray(traj.act_tokens), act_valid=act_valid,
                         logp_old=jnp.asarray(logp), adv=adv, ret=ret, v_old=value, dp_mask=dp,
@@ -142,6 +125,31 @@ def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Traj
     metrics = _prepare_metrics(np.asarray(value), np.asarray(ret), np.asarray(dp), np.asarray(placed),
                                logp, np.asarray(traj.sample_logp), np.asarray(traj.act_valid), ent)
     return batch, metrics
+
+
+@functools.partial(jax.jit, static_argnames=("acfg",))
+def _advantages(value, act_valid, step_mask, score, agent_score, terminal, truncated, v_boot, *,
+                acfg: AdvantageConfig):
+    """Decision masks, placed rewards and the backup, in one jitted program."""
+    token_level = acfg.level == "token"
+    dp = (layout.token_decision_mask(act_valid, step_mask) if token_level
+          else layout.action_decision_mask(act_valid, step_mask))
+    value = jnp.where(dp, value, 0.0)
+    if acfg.independent:
+        own = jax.vmap(lambda s: rewards.final_step_reward(s, step_mask), in_axes=2, out_axes=1)(agent_score)
+        r = rewards.mix_independent_rewards(own, acfg.ippo_own_weight)               # [B, N]
+        r = rewards.transform_reward(r, bias=acfg.reward_bias, scale=acfg.reward_scale, clip=acfg.reward_clip)
+        placed = rewards.place_reward(r, dp, step_mask, reward_to="all")
+        adv, ret = backups.independent_gae(placed, value, dp, step_mask, terminal, truncated, v_boot,
+                                           gamma=acfg.gamma, lam=acfg.lam)
+    else:
+        r = rewards.final_step_reward(score, step_mask)                               # [B]
+        r = rewards.transform_reward(r, bias=acfg.reward_bias, scale=acfg.reward_scale, clip=acfg.reward_clip)
+        placed = rewards.place_reward(r, dp, step_mask, reward_to=acfg.reward_to)
+        adv, ret = backups.marft_gae(placed, value, dp, step_mask, terminal, truncated, v_boot[:, 0],
+                                     gamma=acfg.gamma, lam=acfg.lam,
+                                     reference_semantics=acfg.reference_semantics)
+    return value, dp, placed, adv, ret
 
 
 def _prepare_metrics(value, ret, dp, placed, logp, sample_logp, act_valid, ent) -> dict:

@@ -1,0 +1,154 @@
+"""Token-level backup throughput: jitted MARFT-T GAE vs the NumPy loop transcription of the
+reference (``marft_jax.rl.backups_reference``, G1-style Python loops), same inputs, same run.
+
+    python -m marft_jax.bench.backups [--rows 32 --agents 4 --tokens 512 --steps 2]
+
+Prints one JSON object: our seconds per call after compile (median and best), compile time
+separately, decision points per second, the baseline's figures, the speedup, the max abs
+difference between the two results, shapes, JAX backend/devices and CPU info.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marft_jax.rl import backups, backups_reference, layout, rewards
+
+
+def make_inputs(steps: int, rows: int, agents: int, tokens: int, lengths: str, seed: int):
+    """Whole-episode rows in the canonical layout (NumPy): half terminal, half truncated."""
+    rng = np.random.default_rng(seed)
+    if lengths == "full":
+        lens = np.full((steps, rows, agents), tokens)
+    else:  # "random": uniform in [0, tokens], empty responses included
+        lens = rng.integers(0, tokens + 1, size=(steps, rows, agents))
+    act_mask = np.arange(tokens) < lens[..., None]
+    step_mask = np.ones((steps, rows), bool)
+    terminal = np.zeros((steps, rows), bool)
+    truncated = np.zeros((steps, rows), bool)
+    terminal[-1, ::2] = True
+    truncated[-1, 1::2] = True
+    dp = np.asarray(layout.token_decision_mask(act_mask, step_mask))
+    score = rng.random(rows).astype(np.float32)
+    reward = np.asarray(rewards.place_reward(jnp.asarray(score), jnp.asarray(dp), jnp.asarray(step_mask)))
+    value = rng.normal(size=(steps, rows, agents, tokens)).astype(np.float32)
+    v_boot = rng.normal(size=rows).astype(np.float32)
+    return reward, value, dp, step_mask, terminal, truncated, v_boot
+
+
+def _time_calls(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def _cpu_info() -> dict:
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {"model": model, "logical_cores": os.cpu_count()}
+    try:
+        info["loadavg_1m_at_start"] = os.getloadavg()[0]
+    except OSError:
+        pass
+    return info
+
+
+def bench_ours(args_np, impl: str, gamma: float, lam: float, repeats: int) -> tuple[dict, np.ndarray]:
+    fn = jax.jit(functools.partial(backups.token_level_gae, gamma=gamma, lam=lam, impl=impl))
+    args = [jax.device_put(a) for a in args_np]
+    t0 = time.perf_counter()
+    compiled = fn.lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    result = jax.block_until_ready(compiled(*args))
+    times = _time_calls(lambda: compiled(*args), repeats)
+    return ({"impl": backups.resolve_impl(impl), "compile_s": compile_s,
+             "s_per_call": statistics.median(times), "s_per_call_best": min(times),
+             "repeats": repeats}, np.asarray(result.advantages))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=2)
+    p.add_argument("--rows", type=int, default=32)
+    p.add_argument("--agents", type=int, default=4)
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--lengths", choices=["full", "random"], default="full",
+                   help="full: every response uses the whole budget; random: uniform in [0, tokens]")
+    p.add_argument("--impl", default="auto", choices=list(backups.IMPLS))
+    p.add_argument("--all-impls", action="store_true", help="also time every other impl")
+    p.add_argument("--gamma", type=float, default=1.0)
+    p.add_argument("--lam", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=100)
+    p.add_argument("--baseline-repeats", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+
+    cpu = _cpu_info()
+    args_np = make_inputs(a.steps, a.rows, a.agents, a.tokens, a.lengths, a.seed)
+    points = int(args_np[2].sum())
+
+    ours, adv = bench_ours(args_np, a.impl, a.gamma, a.lam, a.repeats)
+    others = {}
+    if a.all_impls:
+        for impl in ("scan", "associative", "blocked"):
+            if impl != ours["impl"]:
+                others[impl] = bench_ours(args_np, impl, a.gamma, a.lam, a.repeats)[0]
+
+    base_times, base_adv = [], None
+    for _ in range(a.baseline_repeats):
+        t0 = time.perf_counter()
+        base_adv, _ = backups_reference.token_level_gae_reference(*args_np, gamma=a.gamma, lam=a.lam)
+        base_times.append(time.perf_counter() - t0)
+    base = {"name": "NumPy/Python loop transcription of the reference "
+                    "(marft_jax.rl.backups_reference.token_level_gae_reference)",
+            "s_per_call": statistics.median(base_times), "s_per_call_best": min(base_times),
+            "repeats": a.baseline_repeats}
+    for d in (ours, base, *others.values()):
+        d["decision_points_per_s"] = points / d["s_per_call"]
+
+    report = {
+        "bench": "token_level_backup",
+        "shape": {"steps": a.steps, "rows": a.rows, "agents": a.agents, "tokens": a.tokens,
+                  "layout": "[step, batch, agent, token]"},
+        "lengths": a.lengths,
+        "decision_points": points,
+        "gamma": a.gamma, "lam": a.lam,
+        "ours": ours,
+        "baseline": base,
+        "speedup": base["s_per_call"] / ours["s_per_call"],
+        "speedup_best": base["s_per_call_best"] / ours["s_per_call_best"],
+        "max_abs_diff_vs_baseline": float(np.max(np.abs(adv - base_adv))),
+        "jax": {"version": jax.__version__, "backend": jax.default_backend(),
+                "devices": [str(d) for d in jax.devices()]},
+        "cpu": cpu,
+        "python": sys.version.split()[0],
+    }
+    if others:
+        report["other_impls"] = others
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""One MARFT training iteration: rollout -> log-probs and values -> backups -> updates.
+
+:class:`TeamLearner` binds the static pieces (model config, frozen base, tokenizer, sampler,
+team, task scorer, hyper-parameters) and runs :meth:`TeamLearner.iteration` on a batch of
+problems. It has no I/O: the product trainer (``marft_jax.train.trainer``) adds checkpoints,
+logging and evaluation around it, and tests drive it directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marft_jax.envs.chat import ChatTokenizer
+from marft_jax.envs.task import Problem, Score, Transcript
+from marft_jax.models.config import ModelConfig
+from marft_jax.rl import rollout as rollout_lib
+from marft_jax.rl.rollout import Generation, RolloutConfig, Team
+from marft_jax.rl.update import UpdateConfig, ppo_update
+from marft_jax.sampling.sampler import Sampler, SamplingConfig
+from marft_jax.train.prepare import AdvantageConfig, prepare_update_batch
+from marft_jax.train.state import TrainState
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig:
+    """Which agents train when (reference §8 ``interval``; §9 critic warm-up)."""
+
+    agent_schedule: str = "sequential"
+    interval: int = 1000                # env samples (rows x steps) per agent under `interval`
+    interval_offset: int = 0
+    critic_warmup: int = 0              # iterations that train only the critic
+
+
+def interval_agent(env_samples: int, interval: int, offset: int, num_agents: int) -> int:
+    """G1: ``agent_to_train = (floor(E / interval) + o) mod N``."""
+    return (env_samples // interval + offset) % num_agents
+
+
+def make_generate(sampler: Sampler, base, lora, sampling: SamplingConfig) -> rollout_lib.GenerateFn:
+    """Adapt the sampler to the rollout's ``GenerateFn`` (adapters selected per row)."""
+
+    def generate(prompts: Sequence[Sequence[int]], agents: np.ndarray, max_new: int, key) -> Generation:
+        agent = int(agents[0]) if np.all(agents == agents[0]) else [int(a) for a in agents]
+        out = sampler(base, prompts, key=key, config=sampling, lora=lora, agent=agent,
+                      budget=min(max_new, sampling.max_new_tokens))
+        return Generation(tokens=out.tokens, lengths=out.lengths, logp=out.logps)
+
+    return generate
+
+
+def token_counts(traj) -> tuple[int, int]:
+    """(prompt tokens, generated tokens) of a trajectory, all agents and steps."""
+    played = np.asarray(traj.step_mask)[:, :, None]
+    ctx = int((np.asarray(traj.ctx_valid).sum(-1) * played).sum())
+    return ctx, int(np.asarray(traj.act_valid).sum())
+
+
+@dataclasses.dataclass
+class TeamLearner:
+    """Static pieces of a run and the iteration that uses them."""
+
+    cfg: ModelConfig
+    base: dict
+    tokenizer: ChatTokenizer
+    sampler: Sampler
+    team: Team
+    score_fn: Callable[[Sequence[Transcript]], Sequence[Score]]
+    rollout_cfg: RolloutConfig
+    sampling: SamplingConfig
+    update_cfg: UpdateConfig
+    adv_cfg: AdvantageConfig
+    schedule: ScheduleConfig = ScheduleConfig()
+
+    def play(self, state: TrainState, problems: Sequence[Problem], key, sampling: SamplingConfig | None = None,
+             rollout_cfg: RolloutConfig | None = None):
+        """Roll out the team on ``problems`` (no update). Returns (trajectory, texts)."""
+        gen = make_generate(self.sampler, self.base, state.lora, sampling or self.sampling)
+        return rollout_lib.rollout(problems, team=self.team, tokenizer=self.tokenizer, generate=gen,
+                                   score=self.score_fn, cfg=rollout_cfg or self.rollout_cfg, key=key)
+
+    def train_mask(self, iteration: int, env_samples: int) -> tuple[np.ndarray, bool]:
+        n = self.team.num_agents
+        if self.schedule.agent_schedule == "interval":
+            mask = np.arange(n) == interval_agent(env_samples, self.schedule.interval,
+                                                  self.schedule.interval_offset, n)
+        else:
+            mask = np.ones(n, bool)
+        return mask, iteration >= self.schedule.critic_warmup
+
+    def iteration(self, state: TrainState, problems: Sequence[Problem], *, iteration: int, env_samples: int,
+                  key) -> tuple[TrainState, dict, object]:
+        """One iteration. Returns (new state, flat metrics dict, rollout texts)."""
+        timings = {}
+        t0 = time.perf_counter()
+        traj, texts = self.play(state, problems, key)
+        timings["timing_s/rollout"] = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        batch, prep = prepare_update_batch(self.base, state.lora, state.critic, traj, cfg=self.cfg,
+                                           acfg=self.adv_cfg)
+        jax.block_until_ready(batch.adv)
+        timings["timing_s/values_logprobs_backup"] = time.perf_counter() - t1
+
+        mask, train_policy = self.train_mask(iteration, env_samples)
+        t2 = time.perf_counter()
+        state, upd = ppo_update(self.base, state, batch, jnp.asarray(mask), jnp.asarray(train_policy),
+                                cfg=self.cfg, ucfg=self.update_cfg)
+        jax.block_until_ready(state.lora)
+        timings["timing_s/update"] = time.perf_counter() - t2
+        timings["timing_s/step"] = time.perf_counter() - t0
+
+        metrics = dict(timings)
+        metrics.update(prep)
+        metrics.update(self.episode_metrics(traj))
+        roles = self.team.roles
+        upd = jax.device_get(upd)
+        for name, values in upd["actor"].items():
+            for i, role in enumerate(roles):
+                metrics[f"actor/{role}/{name}"] = float(values[i])
+        for name, value in upd["critic"].items():
+            metrics[f"critic/{name}"] = float(value)
+        metrics["actor/trained_agents"] = int(mask.sum()) if train_policy else 0
+        ctx_tok, gen_tok = token_counts(traj)
+        metrics["perf/throughput"] = (ctx_tok + gen_tok) / max(metrics["timing_s/step"], 1e-9) / jax.device_count()
+        metrics["perf/rollout_tokens_per_s"] = gen_tok / max(timings["timing_s/rollout"], 1e-9)
+        metrics["env_samples"] = env_samples + int(np.asarray(traj.step_mask).sum())
+        return state, metrics, texts
+
+    def episode_metrics(self, traj) -> dict:
+        """Accuracy, per-agent rewards and completion statistics of a trajectory."""
+        step_mask = np.asarray(traj.step_mask)
+        score = np.asarray(traj.score)
+        agent_score = np.asarray(traj.agent_score)
+        last = step_mask.shape[0] - 1 - np.argmax(step_mask[::-1], axis=0)     # last played step
+        rows = np.arange(step_mask.shape[1])
+        final = score[last, rows]
+        m = {"episode/accuracy": float((final >= self.rollout_cfg.success_threshold).mean()),
+             "episode/score_mean": float(final.mean()),
+             "episode/steps_mean": float(step_mask.sum(0).mean())}
+        lengths = np.asarray(traj.act_valid).sum(-1)                             # [S, B, N]
+        clipped = np.asarray(traj.budget_clipped)
+        for i, role in enumerate(self.team.roles):
+            played = step_mask
+            m[f"rewards/{role}/mean"] = float(agent_score[last, rows, i].mean())
+            m[f"completions/{role}/mean_length"] = float(lengths[..., i][played].mean())
+            m[f"completions/{role}/clipped_ratio"] = float(clipped[..., i][played].mean())
+        return m

@@ -1,0 +1,271 @@
+"""Checkpoints: bit-exact round trip, rotation, atomic async commit, integrity checks with
+fallback, disk-full and NaN safety, PEFT export of every agent."""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import shutil
+import threading
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from marft_jax.models.config import ModelConfig
+from marft_jax.models.lora import LoraConfig
+from marft_jax.models.peft_io import import_peft
+from marft_jax.train import checkpoint as ck
+from marft_jax.train.checkpoint import (CheckpointCorruptError, CheckpointManager,
+                                        CheckpointMismatchError, CheckpointSaveError, export_adapters)
+from marft_jax.train.state import OptimConfig, init_train_state
+
+CFG = ModelConfig(arch="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8)
+LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj"))
+N = 3
+
+
+def _init(lora=LORA):
+    return init_train_state(jax.random.key(0), CFG, lora, N, OptimConfig(), critic_lora=True)
+
+
+def _abstract(lora=LORA):
+    """A restore target without memory or compute (most tests restore into this)."""
+    return jax.eval_shape(lambda: _init(lora))
+
+
+def _perturb(state, seed: int):
+    """Move every float leaf, the step and the key (on the host: no XLA compiles, which are
+    slow on a loaded CPU), so nothing equals its initial value."""
+    rng = np.random.default_rng(seed)
+    leaves, treedef = jax.tree.flatten(state)
+    out = []
+    for x in leaves:
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = np.asarray(jax.random.key_data(x)) + np.uint32(seed + 1)
+            out.append(jax.random.wrap_key_data(jnp.asarray(data), impl=jax.random.key_impl(x)))
+        elif jnp.issubdtype(x.dtype, jnp.floating):
+            h = np.asarray(x)
+            out.append(jnp.asarray(h + rng.standard_normal(h.shape).astype(h.dtype)))
+        else:
+            out.append(jnp.asarray(np.asarray(x) + 3 + seed))
+    return jax.tree.unflatten(treedef, out)
+
+
+def _assert_bit_identical(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)  # includes the static LoRA scale
+    for (p, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            assert jnp.issubdtype(y.dtype, jax.dtypes.prng_key), p
+            assert jax.random.key_impl(x) == jax.random.key_impl(y)
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape, jax.tree_util.keystr(p)
+        assert x.tobytes() == y.tobytes(), jax.tree_util.keystr(p)
+
+
+@pytest.fixture(scope="module")
+def states():
+    base = _init()
+    return [_perturb(base, s) for s in range(5)]
+
+
+def _state_files(step_dir: Path) -> list[Path]:
+    return sorted(p for p in (step_dir / ck.STATE_DIR).rglob("*") if p.is_file() and p.stat().st_size > 0)
+
+
+def test_round_trip_bit_identical(tmp_path, states):
+    st = states[1]
+    extra = {"data_pos": 17, "config": {"ppo": {"epochs": 2}}, "metrics": {"episode/accuracy": np.float32(0.5)}}
+    with CheckpointManager(tmp_path / "ckpt", async_save=False) as mgr:
+        assert mgr.save(5, st, extra)
+        assert mgr.all_steps() == [5] and mgr.latest_step() == 5 and mgr.latest_step(verify=True) == 5
+        out, got_extra = mgr.restore(target_state=states[4])  # a concrete target
+        _assert_bit_identical(st, out)
+        assert got_extra == {"data_pos": 17, "config": {"ppo": {"epochs": 2}}, "metrics": {"episode/accuracy": 0.5}}
+        # An abstract target (no memory for a second copy) restores the same bits.
+        out2, _ = mgr.restore(5, target_state=_abstract())
+        _assert_bit_identical(st, out2)
+    # Only the trainable state: the step dir holds the state, extra, meta and the manifest.
+    step_dir = tmp_path / "ckpt" / "step_00000005"
+    assert sorted(p.name for p in step_dir.iterdir()) == sorted(
+        [ck.STATE_DIR, ck.EXTRA_FILE, ck.META_FILE, ck.MANIFEST_FILE])
+    manifest = json.loads((step_dir / ck.MANIFEST_FILE).read_text())
+    assert "extra.json" in manifest["files"] and any(f.startswith("state/") for f in manifest["files"])
+
+
+def test_async_save_is_atomic_and_wait_commits(tmp_path, states, monkeypatch):
+    """orbax writes ``state`` into a tmp dir then renames; our step dir appears only after the
+    manifest, so a reader never sees an uncommitted step."""
+    gate, entered = threading.Event(), threading.Event()
+    real = ck.write_manifest
+
+    def slow_manifest(step_dir, step):
+        entered.set()
+        assert gate.wait(30)
+        return real(step_dir, step)
+
+    monkeypatch.setattr(ck, "write_manifest", slow_manifest)
+    mgr = CheckpointManager(tmp_path, keep_last=None, async_save=True)
+    assert mgr.save(1, states[0], {"i": 1})
+    assert entered.wait(30)
+    names = [p.name for p in tmp_path.iterdir()]
+    assert mgr.all_steps() == [] and mgr.latest_step() is None
+    assert len(names) == 1 and names[0].startswith(".tmp-step_00000001-")
+    # orbax has committed its own tmp dir (state.orbax-checkpoint-tmp -> state) by now.
+    assert [p.name for p in (tmp_path / names[0]).iterdir() if p.is_dir()] == [ck.STATE_DIR]
+    gate.set()
+    mgr.wait()
+    assert mgr.all_steps() == [1] and [p.name for p in tmp_path.iterdir()] == ["step_00000001"]
+    out, extra = mgr.restore(target_state=_abstract())
+    _assert_bit_identical(states[0], out)
+    assert extra == {"i": 1}
+    mgr.close()
+
+
+def test_keep_last_k_and_existing_step(tmp_path, states, caplog):
+    with CheckpointManager(tmp_path, keep_last=2, async_save=True) as mgr:
+        for s in range(1, 5):
+            assert mgr.save(s * 10, states[s - 1], {"s": s})
+        mgr.wait()
+        assert mgr.all_steps() == [30, 40]
+        with caplog.at_level(logging.WARNING, logger=ck.__name__):
+            assert mgr.save(40, states[0]) is False
+        assert "already exists" in caplog.text
+        assert mgr.save(40, states[0], {"s": "forced"}, force=True)
+        mgr.wait()
+        out, extra = mgr.restore(40, target_state=_abstract())
+        _assert_bit_identical(states[0], out)
+        assert extra == {"s": "forced"} and mgr.all_steps() == [30, 40]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_corrupt_file_refused_kept_and_fallback(tmp_path, states):
+    mgr = CheckpointManager(tmp_path, keep_last=5, async_save=False)
+    for s in (1, 2, 3):
+        mgr.save(s, states[s], {"s": s})
+    victim = _state_files(tmp_path / "step_00000003")[-1]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorruptError, match=victim.name) as ei:
+        mgr.restore(3, target_state=_abstract())
+    assert "sha256" in str(ei.value) and str(victim) in str(ei.value)
+    with pytest.warns(RuntimeWarning, match="skipping corrupt checkpoint step 3"):
+        out, extra = mgr.restore(target_state=_abstract())
+    _assert_bit_identical(states[2], out)
+    assert extra == {"s": 2}
+    assert mgr.all_steps() == [1, 2, 3] and mgr.latest_step(verify=True) == 2  # nothing deleted
+    # Training resumed from step 2 saves step 3 again: the corrupt copy is replaced, not kept.
+    assert mgr.save(3, states[4], {"s": "new"})
+    out, extra = mgr.restore(target_state=_abstract())
+    _assert_bit_identical(states[4], out)
+    assert extra == {"s": "new"}
+    # A deleted file is named too.
+    (tmp_path / "step_00000002" / ck.EXTRA_FILE).unlink()
+    with pytest.raises(CheckpointCorruptError, match="extra.json.*missing"):
+        mgr.restore(2, target_state=_abstract())
+    out, _ = mgr.restore(1, target_state=_abstract())
+    _assert_bit_identical(states[1], out)
+    mgr.close()
+
+
+def test_partial_dir_without_manifest_refused(tmp_path, states):
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    mgr.save(1, states[0])
+    partial = tmp_path / "step_00000009"
+    shutil.copytree(tmp_path / "step_00000001", partial)
+    (partial / ck.MANIFEST_FILE).unlink()
+    with pytest.raises(CheckpointCorruptError, match=f"step_00000009.*no {ck.MANIFEST_FILE}"):
+        mgr.restore(9, target_state=_abstract())
+    with pytest.warns(RuntimeWarning, match="step 9"):
+        out, _ = mgr.restore(target_state=_abstract())
+    _assert_bit_identical(states[0], out)
+    assert partial.is_dir()
+    shutil.rmtree(tmp_path / "step_00000001")
+    with pytest.raises(CheckpointCorruptError, match="every checkpoint"), pytest.warns(RuntimeWarning):
+        mgr.restore(target_state=_abstract())
+    with pytest.raises(FileNotFoundError, match="no checkpoint step 4"):
+        mgr.restore(4, target_state=_abstract())
+    mgr.close()
+
+
+def _enospc(*a, **k):
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.parametrize("where", ["manifest", "orbax", "async"])
+def test_disk_full_keeps_previous_checkpoints(tmp_path, states, monkeypatch, where):
+    mgr = CheckpointManager(tmp_path, keep_last=1, async_save=(where == "async"))
+    assert mgr.save(1, states[0], {"s": 1})
+    mgr.wait()
+    if where == "orbax":
+        monkeypatch.setattr(type(mgr._ckptr), "save", _enospc)
+    else:
+        real = ck._write_file
+        monkeypatch.setattr(ck, "_write_file", lambda p, d: _enospc() if p.name == ck.MANIFEST_FILE else real(p, d))
+    with pytest.raises(CheckpointSaveError, match=r"step 2 failed: disk full \(ENOSPC\)") as ei:
+        mgr.save(2, states[1], {"s": 2})
+        mgr.wait()  # async: the failure surfaces here
+    assert ei.value.errno == errno.ENOSPC
+    monkeypatch.undo()
+    # Nothing half-written is left, keep_last=1 did not rotate the good one out, and it restores.
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000001"]
+    assert mgr.all_steps() == [1]
+    out, extra = mgr.restore(target_state=_abstract())
+    _assert_bit_identical(states[0], out)
+    assert extra == {"s": 1}
+    mgr.close()
+
+
+def test_nonfinite_state_never_saved(tmp_path, states, caplog):
+    mgr = CheckpointManager(tmp_path, keep_last=1, async_save=True)
+    assert mgr.save(1, states[0])
+    bad = states[1].replace(lora=states[1].lora.replace(
+        b={**states[1].lora.b, "v_proj": states[1].lora.b["v_proj"].at[1, 0, 0, 0].set(jnp.nan)}))
+    with caplog.at_level(logging.ERROR, logger=ck.__name__):
+        assert mgr.save(2, bad) is False
+        assert mgr.save(1, bad, force=True) is False
+    assert "non-finite" in caplog.text and "v_proj" in caplog.text
+    mgr.wait()
+    assert mgr.all_steps() == [1]
+    out, _ = mgr.restore(target_state=_abstract())
+    _assert_bit_identical(states[0], out)
+    mgr.close()
+
+
+def test_mismatched_target_is_not_corruption(tmp_path, states):
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    mgr.save(1, states[0])
+    other = _abstract(LoraConfig(rank=2, alpha=8.0))
+    with pytest.raises(CheckpointMismatchError, match="does not fit"):
+        mgr.restore(target_state=other)
+    rescaled = _abstract(LoraConfig(rank=4, alpha=4.0, targets=("q_proj", "v_proj")))
+    with pytest.raises(CheckpointMismatchError, match="scale"):
+        mgr.restore(target_state=rescaled)
+    mgr.close()
+
+
+def test_stale_tmp_dirs_removed_on_open(tmp_path, states):
+    (tmp_path / ".tmp-step_00000003-deadbeef" / "state").mkdir(parents=True)
+    mgr = CheckpointManager(tmp_path, async_save=False)
+    assert list(tmp_path.iterdir()) == [] and mgr.all_steps() == []
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        mgr.restore(target_state=_abstract())
+    mgr.close()
+
+
+def test_export_adapters_per_agent(tmp_path, states):
+    st = states[2]
+    paths = export_adapters(st, tmp_path / "adapters", "tiny-llama", roles=["planner", "coder", "critic/x"])
+    assert [p.name for p in paths] == ["agent0_planner", "agent1_coder", "agent2_critic-x"]
+    for i, p in enumerate(paths):
+        back = import_peft(p, CFG)
+        for t in LORA.targets:
+            np.testing.assert_array_equal(np.asarray(back.a[t][0]), np.asarray(st.lora.a[t][i]))
+            np.testing.assert_array_equal(np.asarray(back.b[t][0]), np.asarray(st.lora.b[t][i]))
+    assert [p.name for p in export_adapters(st.lora, tmp_path / "anon", "tiny")] == ["agent0", "agent1", "agent2"]

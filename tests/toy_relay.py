@@ -1,0 +1,71 @@
+"""A toy two-agent relay task with a character-level chat tokenizer (no network, no hub).
+
+Agent 0 sees a hidden digit; agent 1 sees only the task and agent 0's output and must say
+the digit. The second agent can only be right by using the first agent's output.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Iterator, Sequence
+
+from marft_jax.envs.task import Problem, Score, Transcript
+
+SPECIALS = ["<pad>", "<eos>", "<sys>", "<user>", "<asst>"]
+CHARS = "0123456789" + "abdrs []:=?\n"  # a tiny alphabet keeps chance at 1/vocab low but learnable
+
+
+class ToyChatTokenizer:
+    """Character-level tokenizer: ids 0-4 are specials, then one id per character."""
+
+    pad_id = 0
+    eos_id = 1
+
+    def __init__(self):
+        self.vocab = SPECIALS + list(CHARS)
+        self.index = {c: i for i, c in enumerate(self.vocab)}
+        self.stop_ids = (self.eos_id,)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    def encode_text(self, text: str) -> list[int]:
+        return [self.index.get(c, self.index["?"]) for c in text.lower()]
+
+    def encode_chat(self, messages) -> list[int]:
+        ids: list[int] = []
+        for m in messages:
+            ids.append(self.index["<sys>" if m["role"] == "system" else "<user>"])
+            ids += self.encode_text(m["content"])
+        return ids + [self.index["<asst>"]]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.vocab[int(i)] for i in ids if int(i) >= len(SPECIALS))
+
+    def digit_id(self, d: int) -> int:
+        return self.index[str(d)]
+
+
+class RelayTask:
+    """Problems ``d=7`` for agent 0 and ``d=?`` for agent 1; reward 1 iff agent 1 says the digit."""
+
+    name = "relay"
+    kind = "math"
+
+    def __init__(self, num_values: int = 10):
+        self.num_values = num_values
+
+    def problems(self, split: str, seed: int = 0) -> Iterator[Problem]:
+        rng = random.Random(f"{split}-{seed}")
+        i = 0
+        while True:
+            d = rng.randrange(self.num_values)
+            yield Problem(uid=f"relay:{split}:{i}", text="d=?", answer=str(d),
+                          agent_views=(f"d={d}", "d=?"))
+            i += 1
+
+    def score(self, transcript: Transcript) -> Score:
+        out = transcript.answer_text.strip()
+        ok = out[:1] == transcript.problem.answer
+        return Score(1.0 if ok else 0.0, {"extracted": out[:1], "reason": None if ok else "wrong"})
