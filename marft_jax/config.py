@@ -229,6 +229,9 @@ def validate(cfg: Config) -> Config:
         need(key, _get(cfg, key) >= 1, ">= 1")
     need("ppo.num_minibatches", cfg.rollout.rows % cfg.ppo.num_minibatches == 0,
          f"a divisor of rollout.rows ({cfg.rollout.rows})")
+    need("ppo.micro_batches", (cfg.rollout.rows // cfg.ppo.num_minibatches) % cfg.ppo.micro_batches == 0,
+         f"a divisor of the minibatch rows (rollout.rows / ppo.num_minibatches = "
+         f"{cfg.rollout.rows // cfg.ppo.num_minibatches})")
     need("algo.reward_scale", cfg.algo.reward_scale > 0, "> 0")
     if cfg.algo.reward_clip is not None:
         need("algo.reward_clip", cfg.algo.reward_clip > 0, "> 0 or null")
@@ -259,8 +262,8 @@ def resolve_preset(name: str) -> Path:
         cand = root / f"{name}.yaml"
         if cand.is_file():
             return cand
-    known = sorted(str(q.relative_to(r))[:-5] for r in (PRESET_DIR, PACKAGED_PRESETS) if r.is_dir()
-                   for q in r.rglob("*.yaml"))
+    known = sorted({str(q.relative_to(r))[:-5] for r in (PRESET_DIR, PACKAGED_PRESETS) if r.is_dir()
+                    for q in r.rglob("*.yaml")})
     raise ConfigError(f"unknown preset {name!r}; known presets: {', '.join(known) or 'none'}")
 
 
@@ -275,6 +278,11 @@ def load_config(preset: str | None = None, overrides: Sequence[str] = ()) -> Con
                 layers.append(OmegaConf.load(path))
             except Exception as e:  # YAML syntax errors
                 raise ConfigError(f"{path}: cannot parse YAML ({e})") from e
+            try:
+                OmegaConf.merge(schema, layers[-1])
+            except OmegaConfBaseException as e:
+                key = getattr(e, "full_key", None)
+                raise ConfigError(f"{path}: config key {key!r}: {str(e).splitlines()[0]}") from e
         for o in overrides:
             if "=" not in o:
                 raise ConfigError(f"override {o!r} must look like key=value (e.g. ppo.epochs=2)")

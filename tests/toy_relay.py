@@ -69,3 +69,61 @@ class RelayTask:
         out = transcript.answer_text.strip()
         ok = out[:1] == transcript.problem.answer
         return Score(1.0 if ok else 0.0, {"extracted": out[:1], "reason": None if ok else "wrong"})
+
+
+def relay_context(tok: ToyChatTokenizer, view: str, teammate: str | None = None, system: str = "s") -> list[int]:
+    """The chat context the rollout builds (``build_messages``) for a relay agent."""
+    content = view if teammate is None else f"{view}\n\n[a]: {teammate}"
+    return tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": content}])
+
+
+def pretrain_base(base, cfg, tok: ToyChatTokenizer, *, num_values: int = 10, steps: int = 200, rows: int = 64,
+                  lr: float = 3e-3, seed: int = 0):
+    """Full-parameter supervised pre-training that gives the tiny random base a prior.
+
+    Two kinds of examples, half each: ``d=7`` -> ``7<eos>`` (read the digit after ``=``) and
+    ``d=?\\n\\n[a]: X`` -> a uniformly random digit ``<eos>`` (a hidden value means guessing,
+    whatever a teammate said). Returns the new base parameters.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from marft_jax.models import decoder
+
+    rng = np.random.default_rng(seed)
+
+    def batch():
+        seqs = []
+        for _ in range(rows):
+            d = int(rng.integers(num_values))
+            if rng.random() < 0.5:
+                prompt, target = relay_context(tok, f"d={d}"), d
+            else:
+                prompt, target = relay_context(tok, "d=?", str(d)), int(rng.integers(num_values))
+            seqs.append(prompt + [tok.digit_id(target), tok.eos_id])
+        width = max(map(len, seqs))
+        toks = np.full((rows, width), tok.pad_id, np.int32)
+        valid = np.zeros((rows, width), bool)
+        for i, s in enumerate(seqs):
+            toks[i, width - len(s):] = s
+            valid[i, width - len(s):] = True
+        return toks, valid
+
+    opt = optax.adam(lr)
+
+    @jax.jit
+    def step(params, opt_state, toks, valid):
+        def loss_fn(p):
+            logits = decoder.logits_fn(p, toks[:, :-1], valid[:, :-1], cfg)
+            nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], -1)[..., 0]
+            return jnp.mean(nll[:, -2:])            # the two target tokens (sequences are left-padded)
+        loss, grads = jax.value_and_grad(loss_fn)(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, loss
+
+    opt_state = opt.init(base)
+    for _ in range(steps):
+        base, opt_state, _ = step(base, opt_state, *batch())
+    return base

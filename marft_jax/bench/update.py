@@ -413,6 +413,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    help="baseline: one base with one PEFT adapter per agent (set_adapter) instead "
                         "of G1's base copy per agent")
     p.add_argument("--roofline-n", type=int, default=2048, help="matmul size of the roofline")
+    p.add_argument("--torch-threads", type=int, default=None,
+                   help="torch intra-op threads (default: os.cpu_count())")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
@@ -435,7 +437,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if not args.no_baseline:
         import torch
 
-        torch.set_num_threads(cores)
+        torch.set_num_threads(args.torch_threads or cores)
         baseline = G1Baseline(cfg, params, lora0, head0, batch, ucfg, shared_base=args.baseline_shared_base)
         torch_roof = torch_matmul_flops(args.roofline_n)
 

@@ -262,7 +262,7 @@ class CheckpointManager:
 
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
-        self.directory = Path(directory)
+        self.directory = Path(directory).resolve()  # orbax requires absolute paths
         self.directory.mkdir(parents=True, exist_ok=True)
         self.keep_last = keep_last
         self.async_save = async_save

