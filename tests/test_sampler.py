@@ -125,7 +125,8 @@ def test_bucketing_does_not_change_samples(qwen):
     conf = smp.SamplingConfig(max_new_tokens=16, temperature=1.0)
     key = jax.random.key(3)
     base = smp.Sampler(cfg)(params, prompts, key=key, config=conf)
-    wide = smp.Sampler(cfg, min_prompt_bucket=32, min_batch=8, pad_id=7)(params, prompts, key=key, config=conf)
+    wide_sampler = smp.Sampler(cfg, min_prompt_bucket=32, min_batch=8, pad_id=7)
+    wide = wide_sampler(params, prompts, key=key, config=conf)
     np.testing.assert_array_equal(base.tokens, wide.tokens)
     np.testing.assert_allclose(base.logps, wide.logps, atol=1e-5)
     # a row's sample does not depend on the rows after it either
@@ -268,7 +269,8 @@ def test_low_level_per_row_stop_ids_and_donation(qwen):
     assert st0.cache.k.is_deleted() and st0.tokens.is_deleted()          # donated, reused in place
     per_row = np.full((4, 8), -1, np.int32)
     per_row[0, 0], per_row[2, 1] = g[0, 3], g[2, 6]
-    st = smp.decode(params, None, smp.prefill(*args(jnp.asarray(per_row)), cfg=cfg, max_new_tokens=16), cfg=cfg)
+    st = smp.prefill(*args(jnp.asarray(per_row)), cfg=cfg, max_new_tokens=16)
+    st = smp.decode(params, None, st, cfg=cfg)
     res = jax.device_get(smp.result_of(st))
     assert res.lengths[0] == np.nonzero(g[0] == g[0, 3])[0][0] + 1 and res.finished[0]
     assert res.lengths[2] == np.nonzero(g[2] == g[2, 6])[0][0] + 1 and res.finished[2]
@@ -281,7 +283,8 @@ def test_low_level_per_row_stop_ids_and_donation(qwen):
 def test_per_row_agent_equals_separate_agents(qwen):
     _, cfg, params = qwen
     prompts = _prompts(cfg.vocab_size)
-    stack = lora_lib.init_lora(jax.random.key(5), cfg, lora_lib.LoraConfig(rank=4, targets=("q_proj", "v_proj", "up_proj")), 3)
+    lcfg = lora_lib.LoraConfig(rank=4, targets=("q_proj", "v_proj", "up_proj"))
+    stack = lora_lib.init_lora(jax.random.key(5), cfg, lcfg, 3)
     keys = iter(jax.random.split(jax.random.key(6), 8))
     stack = stack.replace(b={t: 0.5 * jax.random.normal(next(keys), v.shape) for t, v in stack.b.items()})
     s = smp.Sampler(cfg)

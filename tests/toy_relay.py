@@ -100,8 +100,9 @@ def pretrain_base(base, cfg, tok: ToyChatTokenizer, *, num_values: int = 10, ste
             d = int(rng.integers(num_values))
             if rng.random() < 0.5:
                 prompt, target = relay_context(tok, f"d={d}"), d
-            else:
-                prompt, target = relay_context(tok, "d=?", str(d)), int(rng.integers(num_values))
+            else:  # the teammate's digit is noise here: half of these contexts carry one
+                teammate = str(d) if rng.random() < 0.5 else None
+                prompt, target = relay_context(tok, "d=?", teammate), int(rng.integers(num_values))
             seqs.append(prompt + [tok.digit_id(target), tok.eos_id])
         width = max(map(len, seqs))
         toks = np.full((rows, width), tok.pad_id, np.int32)

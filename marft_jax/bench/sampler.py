@@ -118,7 +118,8 @@ class OursRunner:
     """Our sampler on fixed prompts; EOS disabled (empty stop set) so every row runs to the budget."""
 
     def __init__(self, cfg, params, prompts, new_tokens: int, seed: int):
-        self.cfg, self.params, self.prompts, self.new_tokens, self.seed = cfg, params, prompts, new_tokens, seed
+        self.cfg, self.params, self.prompts = cfg, params, prompts
+        self.new_tokens, self.seed = new_tokens, seed
         self.sampler = Sampler(cfg, pad_id=0, stop_ids=())
         self.config = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, top_k=0, top_p=1.0)
         self.calls = 0
@@ -126,7 +127,8 @@ class OursRunner:
     def __call__(self) -> float:
         """Wall seconds of one call (the first call includes compilation)."""
         t0 = time.perf_counter()
-        out = self.sampler(self.params, self.prompts, key=jax.random.key(self.seed + self.calls), config=self.config)
+        key = jax.random.key(self.seed + self.calls)
+        out = self.sampler(self.params, self.prompts, key=key, config=self.config)
         dt = time.perf_counter() - t0
         self.calls += 1
         assert (out.lengths == self.new_tokens).all(), out.lengths
@@ -227,7 +229,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         }
         if hf is not None:
             hf_tps = bs * args.new_tokens / min(hf_s)
-            row.update({"hf_tokens_per_s": hf_tps, "hf_run_s": min(hf_s), "ratio_ours_over_hf": ours_tps / hf_tps})
+            row.update({"hf_tokens_per_s": hf_tps, "hf_run_s": min(hf_s),
+                        "ratio_ours_over_hf": ours_tps / hf_tps})
         report["per_batch"][str(bs)] = row
     report["loadavg_1min_start_end"] = [load_start, os.getloadavg()[0]]
     print(json.dumps(report))

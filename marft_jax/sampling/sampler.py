@@ -206,7 +206,8 @@ class SamplerState:
     cache: the KV cache (``prompt_bucket + max_new_tokens`` slots).
     tokens / logps: ``[batch, max_new]`` int32 / float32 output buffers.
     last: ``[batch]`` int32, the token to feed next; positions: ``[batch]`` int32, its RoPE
-    position (``_advance`` moves both on together). done / finished: ``[batch]`` bool (ended for any reason / by a stop token).
+    position (``_advance`` moves both on together).
+    done / finished: ``[batch]`` bool, ended for any reason / ended by a stop token.
     lengths: ``[batch]`` int32 generated tokens so far (stop token included).
     step: int32 scalar, generated positions so far; budget: int32 scalar, at most max_new.
     agent: int32 scalar or ``[batch]``; stop_ids: ``[batch, num_stop]`` int32 (-1 = unused slot).

