@@ -1,7 +1,33 @@
-"""End to end on the CPU: MARFT learns a relay that needs the chain; independent PPO cannot."""
+"""End to end on the CPU: MARFT learns a relay that needs the chain; independent PPO cannot.
+
+The task (``tests/toy_relay.py``): agent 0 sees ``d=7``, agent 1 sees ``d=?`` plus, in the
+MARFT chain, agent 0's output ``[a]: 7``; the team is rewarded iff agent 1 says the digit.
+
+Design. From a purely random base the relay is a Lewis signalling game that RL solves slowly
+and often not at all (pooling equilibria at 0.2-0.3). A real LLM would bring a prior, so the
+tiny base (2 layers, 64 wide, character vocabulary) is first pre-trained for a few seconds,
+full-parameter and supervised (:func:`tests.toy_relay.pretrain_base`), to read the digit after
+``=`` and to *guess uniformly* when the value is hidden (``d=?``), whatever a teammate said.
+So at the start agent 0 passes the digit on but agent 1 ignores it: the team reward is chance
+(0.1, ten digits). Agent 1 can only be right by learning to use agent 0's output, and agent 0
+must keep passing it while its own advantages are noise until agent 1 listens (too large
+Adam steps or many epochs on one small batch make agent 0 drift away, seen at lr 5e-3 with
+4 epochs on 64 rows). Both adapters start at B = 0, i.e. at the pre-trained prior.
+
+MARFT (sequential chain, centralized critic, HAPPO agent-by-agent PPO), at the action level
+(MARFT-A) and at the token level (MARFT-T, K = 2 tokens per response: the digit and ``<eos>``,
+so the backup also chains inside a response), must go from chance to >= 0.9 within the fixed
+budget (ITERS iterations x ROWS episodes). Independent PPO (parallel mode) on the same task and
+budget stays at chance: its agent 1 never sees agent 0's output.
+
+Measured (2 shared CPU cores under load, seeds 0-3 by hand): accuracy reaches 0.9 after 9-17
+iterations and stays at 0.95-0.98 for both levels; IPPO stays at 0.05-0.19 per iteration. Each
+run takes about 30-60 s wall time including compilation (the pre-trained base is shared).
+"""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 
@@ -18,17 +44,34 @@ from marft_jax.sampling.sampler import Sampler, SamplingConfig
 from marft_jax.train.iteration import TeamLearner
 from marft_jax.train.prepare import AdvantageConfig
 from marft_jax.train.state import OptimConfig, init_train_state
-from tests.toy_relay import RelayTask, ToyChatTokenizer
+from tests.toy_relay import RelayTask, ToyChatTokenizer, pretrain_base
 
-ROWS, ITERS, LR, ENT, VALUES, KL, EPOCHS, STD = 64, 40, 5e-3, 0.01, 10, 0.05, 4, 0.1
+SEED = 0
+ROWS, ITERS, K = 128, 30, 2
+LR, CRITIC_LR, EPOCHS, MINIBATCHES, KL_STOP, CLIP = 2e-3, 1e-2, 2, 2, 0.05, 0.2
+VALUES, STD, PRETRAIN_STEPS = 10, 0.1, 150
 
 
-def run_relay(level: str, mode: str, seed: int = 0, iters: int = ITERS) -> list[float]:
+def model_config(tok: ToyChatTokenizer) -> ModelConfig:
+    return ModelConfig(arch="llama", vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+
+
+@functools.cache
+def pretrained_base(seed: int):
+    """The tiny base with its relay prior (shared by the tests of one seed)."""
     tok = ToyChatTokenizer()
-    cfg = ModelConfig(arch="llama", vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
+    cfg = model_config(tok)
     base = decoder.init_params(jax.random.key(seed), cfg, std=STD)
-    optim = OptimConfig(policy_lr=LR, critic_lr=1e-2)
+    return pretrain_base(base, cfg, tok, num_values=VALUES, steps=PRETRAIN_STEPS, seed=seed)
+
+
+def run_relay(level: str, mode: str, seed: int = SEED, iters: int = ITERS) -> list[float]:
+    """Team accuracy per iteration (sampled at temperature 1) of one training run."""
+    tok = ToyChatTokenizer()
+    cfg = model_config(tok)
+    base = pretrained_base(seed)
+    optim = OptimConfig(policy_lr=LR, critic_lr=CRITIC_LR)
     lora_cfg = LoraConfig(rank=8, alpha=16, targets=("q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
     state = init_train_state(jax.random.key(seed + 1), cfg, lora_cfg, 2, optim)
     task = RelayTask(VALUES)
@@ -37,10 +80,10 @@ def run_relay(level: str, mode: str, seed: int = 0, iters: int = ITERS) -> list[
         cfg=cfg, base=base, tokenizer=tok,
         sampler=Sampler(cfg, pad_id=tok.pad_id, stop_ids=tok.stop_ids),
         team=team, score_fn=lambda ts: [task.score(t) for t in ts],
-        rollout_cfg=RolloutConfig(mode=mode, max_new_tokens=1, context_window=64),
-        sampling=SamplingConfig(max_new_tokens=1, temperature=1.0),
-        update_cfg=UpdateConfig(level=level, optim=optim, epochs=EPOCHS, num_minibatches=2, kl_stop=KL,
-                                ent_coef=ENT, max_grad_norm=1.0, clip_eps=0.2),
+        rollout_cfg=RolloutConfig(mode=mode, max_new_tokens=K, context_window=64),
+        sampling=SamplingConfig(max_new_tokens=K, temperature=1.0),
+        update_cfg=UpdateConfig(level=level, optim=optim, epochs=EPOCHS, num_minibatches=MINIBATCHES,
+                                kl_stop=KL_STOP, ent_coef=0.0, max_grad_norm=1.0, clip_eps=CLIP),
         adv_cfg=AdvantageConfig(level=level, gamma=1.0, lam=1.0, independent=(mode == "parallel")),
     )
     problems = task.problems("train", seed)
@@ -60,13 +103,15 @@ def run_relay(level: str, mode: str, seed: int = 0, iters: int = ITERS) -> list[
 def test_marft_learns_relay(level):
     t0 = time.perf_counter()
     acc = run_relay(level, "sequential")
-    print(level, [round(a, 2) for a in acc], f"{time.perf_counter() - t0:.0f}s")
-    assert np.mean(acc[:3]) < 0.3
-    assert max(np.mean(acc[i:i + 3]) for i in range(len(acc) - 2)) >= 0.9
+    print(f"marft-{level}", [round(a, 2) for a in acc], f"{time.perf_counter() - t0:.0f}s")
+    assert np.mean(acc[:2]) < 0.25, "the team must start near chance (0.1)"
+    assert np.mean(acc[-5:]) >= 0.9, "MARFT must reach a team accuracy of 0.9 within the budget"
 
 
 @pytest.mark.slow
 def test_independent_ppo_stays_near_chance():
+    t0 = time.perf_counter()
     acc = run_relay("action", "parallel")
-    print("ippo", [round(a, 2) for a in acc])
-    assert np.mean(acc[-5:]) < 0.35
+    print("ippo", [round(a, 2) for a in acc], f"{time.perf_counter() - t0:.0f}s")
+    assert np.mean(acc[:2]) < 0.25
+    assert np.mean(acc[-10:]) < 0.25, "independent PPO cannot see agent 0 and must stay near chance"

@@ -2,6 +2,8 @@
 
 Agent 0 sees a hidden digit; agent 1 sees only the task and agent 0's output and must say
 the digit. The second agent can only be right by using the first agent's output.
+:func:`pretrain_base` gives a tiny random base the prior the end-to-end learning test starts
+from (see ``tests/test_learning.py``).
 """
 
 from __future__ import annotations
@@ -9,7 +11,13 @@ from __future__ import annotations
 import random
 from typing import Iterator, Sequence
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
 from marft_jax.envs.task import Problem, Score, Transcript
+from marft_jax.models import decoder
 
 SPECIALS = ["<pad>", "<eos>", "<sys>", "<user>", "<asst>"]
 CHARS = "0123456789" + "abdrs []:=?\n"  # a tiny alphabet keeps chance at 1/vocab low but learnable
@@ -77,21 +85,17 @@ def relay_context(tok: ToyChatTokenizer, view: str, teammate: str | None = None,
     return tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": content}])
 
 
-def pretrain_base(base, cfg, tok: ToyChatTokenizer, *, num_values: int = 10, steps: int = 200, rows: int = 64,
+def pretrain_base(base, cfg, tok: ToyChatTokenizer, *, num_values: int = 10, steps: int = 150, rows: int = 64,
                   lr: float = 3e-3, seed: int = 0):
     """Full-parameter supervised pre-training that gives the tiny random base a prior.
 
-    Two kinds of examples, half each: ``d=7`` -> ``7<eos>`` (read the digit after ``=``) and
-    ``d=?\\n\\n[a]: X`` -> a uniformly random digit ``<eos>`` (a hidden value means guessing,
-    whatever a teammate said). Returns the new base parameters.
+    Half the examples are ``d=7`` -> ``7<eos>`` (read the digit after ``=``); the other half
+    are ``d=?`` -> a uniformly random digit, then ``<eos>`` (a hidden value means guessing),
+    and half of those carry a teammate message ``[a]: X`` with an unrelated digit X, so the
+    base treats what a teammate says as noise. Afterwards agent 0's context ``d=7`` yields
+    ``7`` and agent 1's context ``d=?\n\n[a]: 7`` yields a uniform guess: the team is at
+    chance until agent 1 learns to use agent 0's output. Returns the new base parameters.
     """
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import optax
-
-    from marft_jax.models import decoder
-
     rng = np.random.default_rng(seed)
 
     def batch():
@@ -100,7 +104,7 @@ def pretrain_base(base, cfg, tok: ToyChatTokenizer, *, num_values: int = 10, ste
             d = int(rng.integers(num_values))
             if rng.random() < 0.5:
                 prompt, target = relay_context(tok, f"d={d}"), d
-            else:  # the teammate's digit is noise here: half of these contexts carry one
+            else:
                 teammate = str(d) if rng.random() < 0.5 else None
                 prompt, target = relay_context(tok, "d=?", teammate), int(rng.integers(num_values))
             seqs.append(prompt + [tok.digit_id(target), tok.eos_id])
@@ -119,7 +123,7 @@ def pretrain_base(base, cfg, tok: ToyChatTokenizer, *, num_values: int = 10, ste
         def loss_fn(p):
             logits = decoder.logits_fn(p, toks[:, :-1], valid[:, :-1], cfg)
             nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], -1)[..., 0]
-            return jnp.mean(nll[:, -2:])            # the two target tokens (sequences are left-padded)
+            return jnp.mean(nll[:, -2:])  # the two target tokens (sequences are left-padded)
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss

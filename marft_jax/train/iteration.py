@@ -76,13 +76,20 @@ class TeamLearner:
     update_cfg: UpdateConfig
     adv_cfg: AdvantageConfig
     schedule: ScheduleConfig = ScheduleConfig()
+    # Context length bucket only grows over a run, so the update and the log-prob programs
+    # compile for a handful of shapes instead of whenever a batch's longest context changes.
+    context_bucket: int = 0
 
     def play(self, state: TrainState, problems: Sequence[Problem], key, sampling: SamplingConfig | None = None,
              rollout_cfg: RolloutConfig | None = None):
         """Roll out the team on ``problems`` (no update). Returns (trajectory, texts)."""
         gen = make_generate(self.sampler, self.base, state.lora, sampling or self.sampling)
-        return rollout_lib.rollout(problems, team=self.team, tokenizer=self.tokenizer, generate=gen,
-                                   score=self.score_fn, cfg=rollout_cfg or self.rollout_cfg, key=key)
+        rcfg = rollout_cfg or self.rollout_cfg
+        rcfg = dataclasses.replace(rcfg, min_context_bucket=max(rcfg.min_context_bucket, self.context_bucket))
+        traj, texts = rollout_lib.rollout(problems, team=self.team, tokenizer=self.tokenizer, generate=gen,
+                                          score=self.score_fn, cfg=rcfg, key=key)
+        self.context_bucket = max(self.context_bucket, traj.shape[3])
+        return traj, texts
 
     def train_mask(self, iteration: int, env_samples: int) -> tuple[np.ndarray, bool]:
         n = self.team.num_agents

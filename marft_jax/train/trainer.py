@@ -173,6 +173,7 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
         state, extra = ckpt.restore(target_state=state)
         start, position = int(extra["iteration"]), int(extra["data_position"])
         env_samples, before = int(extra["env_samples"]), extra.get("eval_before")
+        learner.context_bucket = int(extra.get("context_bucket", 0))
         print(f"resumed from {ckpt.step_path(start)} (iteration {start})")
     writer = MetricsWriter(run_dir, tensorboard=True, resume_step=start if start else None)
     stream = ProblemStream(run.task, cfg.train.seed, position)
@@ -193,7 +194,7 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
 
     def save(i: int) -> None:
         extra = {"iteration": i, "data_position": stream.position, "env_samples": env_samples,
-                 "eval_before": before, "metrics": last_metrics}
+                 "eval_before": before, "context_bucket": learner.context_bucket, "metrics": last_metrics}
         if not ckpt.save(i, state, extra, force=True):
             print(f"checkpoint at iteration {i} refused (non-finite state); previous checkpoints kept",
                   file=sys.stderr)
