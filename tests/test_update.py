@@ -71,7 +71,7 @@ def _oracle_agent_step(base, lora, opt, a, batch, ucfg, happo):
         return s.loss / jnp.maximum(s.count, 1)
 
     g = jax.grad(loss)(one)
-    norm = optax.global_norm(g)
+    norm = optax.tree.norm(g)
     g = jax.tree.map(lambda x: x * jnp.minimum(1.0, ucfg.max_grad_norm / norm), g)
     opt_a = jax.tree.map(lambda x: x[a], opt)
     tx = policy_optimizer(ucfg.optim)  # optax.adamw(lr, eps 1e-5, wd 0) with a constant schedule
