@@ -62,6 +62,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marft_jax.bench.sampler import matmul_roofline_flops
 from marft_jax.models import decoder, logprobs as lp_lib
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.critic import critic_features, critic_features_fn, value_head
@@ -157,19 +158,6 @@ def baseline_flops(cfg: ModelConfig, rows: int, agents: int, L: int, K: int) -> 
     critic = _body_flops(cfg, rows, L) + _head_flops(cfg, rows * L)
     fwd = _body_flops(cfg, rows, T) + _head_flops(cfg, rows * T)
     return agents * (critic + 3 * fwd)
-
-
-def jax_matmul_flops(n: int, repeats: int = 5) -> float:
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
-    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32)
-    mm = jax.jit(jnp.matmul)
-    jax.block_until_ready(mm(a, b))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(mm(a, b))
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n ** 3 / best
 
 
 def torch_matmul_flops(n: int, repeats: int = 5) -> float:
@@ -437,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     head0 = jax.tree.map(np.array, state.critic.head)
     logp_old_np = np.asarray(batch.logp_old).sum(-1)[0]                    # [B, N]
 
-    jax_roof = [jax_matmul_flops(args.roofline_n)]
+    jax_roof = [matmul_roofline_flops(args.roofline_n)]
     baseline = None
     torch_roof: list[float] = []
     if not args.no_baseline:
@@ -477,7 +465,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         t0 = time.perf_counter()
         jax.block_until_ready(critic_features(*feat_args, cfg=cfg, token_level=False))
         feat_t.append(time.perf_counter() - t0)
-    jax_roof.append(jax_matmul_flops(args.roofline_n))                     # again, after the load
+    jax_roof.append(matmul_roofline_flops(args.roofline_n))                     # again, after the load
     if baseline is not None:
         torch_roof.append(torch_matmul_flops(args.roofline_n))
 
