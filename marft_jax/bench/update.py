@@ -514,6 +514,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
             "baseline_s": baseline_s,
             "baseline_times_s": base_t,
             "ratio": baseline_s / ours_s,
+            "ratio_best": min(base_t) / min(ours_t),                       # outside load only adds time
             "baseline_desc": ("PyTorch+PEFT G1 style: " + ("one base, adapters via set_adapter"
                               if args.baseline_shared_base else "one base copy per agent + one for the critic")
                               + "; critic CausalLM forward per agent each epoch; 2 policy forwards per agent "
