@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import json
 import os
 import platform
@@ -67,7 +66,6 @@ from marft_jax.models import decoder, logprobs as lp_lib
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.critic import critic_features, critic_features_fn, value_head
 from marft_jax.models.lora import LoraConfig, LoraStack
-from marft_jax.rl import losses
 from marft_jax.rl.update import UpdateBatch, UpdateConfig, ppo_update
 from marft_jax.train.state import OptimConfig, TrainState, init_train_state
 
