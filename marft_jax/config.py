@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from omegaconf import MISSING, OmegaConf  # noqa: F401
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 

@@ -15,7 +15,6 @@ invalidates the cache: features are recomputed with the adapter inside the criti
 
 from __future__ import annotations
 
-import functools
 
 import chex
 import flax.struct

@@ -185,6 +185,21 @@ def entropy_bonus(
     return masked_sum_count(per_action / jnp.maximum(n_tok, 1.0), n_tok > 0)
 
 
+def _clipped_policy_sums(log_ratio, adv, mask, clip_eps, entropy, ent_mask, ent_level, ent_coef) -> LossSums:
+    """Clipped surrogate, k3 KL, clip fraction and entropy bonus over ``mask`` as :class:`LossSums`."""
+    pg, count = masked_sum_count(clipped_surrogate(log_ratio, adv.astype(jnp.float32), clip_eps), mask)
+    kl, _ = approx_kl_k3(log_ratio, mask)
+    cf, _ = clip_fraction(log_ratio, mask, clip_eps)
+    if entropy is not None:
+        ent, _ = entropy_bonus(entropy, ent_mask, level=ent_level)
+    elif ent_coef != 0.0:
+        raise ValueError("ent_coef != 0 needs entropy")
+    else:
+        ent = jnp.zeros((), jnp.float32)
+    return LossSums(loss=pg - ent_coef * ent, count=count,
+                    metrics={"pg_loss": pg, "entropy": ent, "approx_kl": kl, "clip_frac": cf})
+
+
 def appo_policy_loss(
     logp_new: jax.Array,
     logp_old: jax.Array,
@@ -224,18 +239,8 @@ def appo_policy_loss(
     l_new = action_logprob(logp_new, act_mask, norm=norm, word_count=word_count)
     l_old = action_logprob(logp_old, act_mask, norm=norm, word_count=word_count)
     log_ratio = jnp.where(am, l_new - l_old, 0.0)
-    pg, count = masked_sum_count(clipped_surrogate(log_ratio, adv.astype(jnp.float32), clip_eps), am)
-    kl, _ = approx_kl_k3(log_ratio, am)
-    cf, _ = clip_fraction(log_ratio, am, clip_eps)
-    if entropy is not None:
-        m = jnp.logical_and(act_mask.astype(bool), am[..., None])
-        ent, _ = entropy_bonus(entropy, m, level="action")
-    else:
-        if ent_coef != 0.0:
-            raise ValueError("ent_coef != 0 needs entropy")
-        ent = jnp.zeros((), jnp.float32)
-    return LossSums(loss=pg - ent_coef * ent, count=count,
-                    metrics={"pg_loss": pg, "entropy": ent, "approx_kl": kl, "clip_frac": cf})
+    ent_mask = jnp.logical_and(act_mask.astype(bool), am[..., None])
+    return _clipped_policy_sums(log_ratio, adv, am, clip_eps, entropy, ent_mask, "action", ent_coef)
 
 
 def tppo_policy_loss(
@@ -263,17 +268,7 @@ def tppo_policy_loss(
     chex.assert_equal_shape([logp_new, logp_old, act_mask, adv])
     m = act_mask.astype(bool)
     log_ratio = jnp.where(m, logp_new.astype(jnp.float32) - logp_old.astype(jnp.float32), 0.0)
-    pg, count = masked_sum_count(clipped_surrogate(log_ratio, adv.astype(jnp.float32), clip_eps), m)
-    kl, _ = approx_kl_k3(log_ratio, m)
-    cf, _ = clip_fraction(log_ratio, m, clip_eps)
-    if entropy is not None:
-        ent, _ = entropy_bonus(entropy, m, level="token")
-    else:
-        if ent_coef != 0.0:
-            raise ValueError("ent_coef != 0 needs entropy")
-        ent = jnp.zeros((), jnp.float32)
-    return LossSums(loss=pg - ent_coef * ent, count=count,
-                    metrics={"pg_loss": pg, "entropy": ent, "approx_kl": kl, "clip_frac": cf})
+    return _clipped_policy_sums(log_ratio, adv, m, clip_eps, entropy, m, "token", ent_coef)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 
 from marft_jax.config import Config, ConfigError
@@ -63,7 +62,7 @@ def model_dtype(cfg: Config):
 
 
 def update_config(cfg: Config, total_updates: int) -> UpdateConfig:
-    p, o = cfg.ppo, cfg.optim
+    p = cfg.ppo
     return UpdateConfig(
         level=cfg.algo.level, logprob_norm=p.logprob_norm, clip_eps=p.clip_eps, value_clip_eps=p.value_clip_eps,
         value_loss=p.value_loss, huber_delta=p.huber_delta, ent_coef=p.ent_coef, vf_coef=p.vf_coef,

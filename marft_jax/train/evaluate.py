@@ -15,7 +15,6 @@ import jax
 import numpy as np
 
 from marft_jax.envs.task import Problem, Transcript
-from marft_jax.sampling.sampler import SamplingConfig
 from marft_jax.train.iteration import TeamLearner
 from marft_jax.train.state import TrainState
 

@@ -11,7 +11,6 @@ checkpoint.
 
 from __future__ import annotations
 
-import dataclasses
 import datetime as dt
 import itertools
 import json
@@ -20,11 +19,9 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Iterator
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from marft_jax.config import Config, to_yaml
 from marft_jax.envs.task import Problem, Task
