@@ -53,11 +53,12 @@ def cmd_train(args) -> int:
     cfg = _load(args.config, "demo")
     summary = train(cfg, resume=not args.no_resume)
     before, after = summary.get("accuracy_before"), summary.get("accuracy_after")
+    fmt = lambda x: "not evaluated" if x is None else f"{x:.3f}"
     print()
     if after is not None:
-        print(f"team accuracy on held-out problems: {before:.3f} -> {after:.3f}")
+        print(f"team accuracy on held-out problems: {fmt(before)} -> {fmt(after)}")
     else:
-        print(f"stopped after {summary['iterations']} iterations (accuracy before: {before:.3f}); "
+        print(f"stopped after {summary['iterations']} iterations (accuracy before: {fmt(before)}); "
               f"run the same command again to resume")
     print(f"run directory: {summary['run_dir']}")
     print(f"checkpoint:    {summary['checkpoint']}")

@@ -132,6 +132,8 @@ class TrainSection:
     run_name: Optional[str] = None
     eval_every: int = 0                 # 0: only before and after training
     eval_problems: int = 64
+    eval_batch_size: int = 64           # episodes per evaluation sampler call (larger = faster on CPU)
+    eval_before: bool = True            # false: skip the untrained evaluation (sweeps that share one)
     eval_temperature: float = 0.0       # the demo evaluates greedily; `marft-jax eval` uses 0.6
     save_every: int = 10
     keep_last: int = 3
@@ -242,6 +244,7 @@ def validate(cfg: Config) -> Config:
             need(key, 0 <= v <= 1, "in [0, 1]")
     need("train.iterations", cfg.train.iterations >= 0, ">= 0")
     need("train.eval_problems", cfg.train.eval_problems >= 1, ">= 1")
+    need("train.eval_batch_size", cfg.train.eval_batch_size >= 1, ">= 1")
     need("train.eval_temperature", cfg.train.eval_temperature >= 0, ">= 0")
     need("train.scoring_workers", cfg.train.scoring_workers >= 0, ">= 0")
     if cfg.team.answer_agent is not None:

@@ -110,9 +110,10 @@ def test_presets_cover_the_grid(configs):
 def test_demo_is_cpu_sized(configs):
     cfg = configs["demo"]
     assert cfg.model.name == "smollm2-135m" and cfg.task.name == "arithmetic" and cfg.task.level == 1
-    assert (cfg.team.profile, cfg.algo.level, cfg.rollout.mode) == ("math/duo", "action", "sequential")
-    assert cfg.rollout.rows == 8 and cfg.rollout.max_new_tokens <= 128 and cfg.rollout.context_window == 1024
-    assert cfg.train.time_budget_s == 900 and cfg.train.eval_temperature == 0.0
+    assert (cfg.team.profile, cfg.algo.level, cfg.rollout.mode) == ("math/duo-short", "action", "sequential")
+    assert cfg.rollout.rows == 8 and cfg.rollout.max_new_tokens <= 128 and cfg.rollout.context_window == 512
+    # ~15 minutes in all: two ~1-minute evaluations around the training budget
+    assert cfg.train.time_budget_s <= 780 and cfg.train.eval_temperature == 0.0
 
 
 def test_packaged_demo_matches():
@@ -179,7 +180,7 @@ def test_round_trip_through_yaml(tmp_path, configs):
     ("ppo.num_minibatches=3", "ppo.num_minibatches"),  # does not divide rollout.rows (8)
     ("algo.level=episode", "algo.level"),             # not a choice
     ("algo.gamma=1.5", "algo.gamma"),
-    ("rollout.context_window=64", "rollout.context_window"),
+    ("rollout.context_window=16", "rollout.context_window"),  # not above max_new_tokens
 ])
 def test_bad_value_names_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -1,11 +1,14 @@
-"""Token-level backup throughput: jitted MARFT-T GAE vs the NumPy loop transcription of the
-reference (``marft_jax.rl.backups_reference``, G1-style Python loops), same inputs, same run.
+"""Token-level backup throughput: jitted MARFT-T GAE vs two Python-loop baselines, same inputs,
+same run: the NumPy transcription of the reference recurrence (``marft_jax.rl.backups_reference``,
+the test oracle) and the reference implementation's own buffer loop re-expressed
+(``marft_jax.bench.g1_token_gae``: threads x steps x agents x tokens on float32 buffers).
 
     python -m marft_jax.bench.backups [--rows 32 --agents 4 --tokens 512 --steps 2]
 
 Prints one JSON object: our seconds per call after compile (median and best), compile time
-separately, decision points per second, the baseline's figures, the speedup, the max abs
-difference between the two results, shapes, JAX backend/devices and CPU info.
+separately, decision points per second, both baselines' figures, the speedups, the max abs
+differences between the results, shapes, JAX backend/devices and CPU info. The G1 loop cannot
+take empty responses (it crashes on them), so with ``--lengths random`` it is skipped.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marft_jax.bench import g1_token_gae
 from marft_jax.rl import backups, backups_reference, layout, rewards
 
 
@@ -124,7 +128,23 @@ def main(argv: list[str] | None = None) -> dict:
                     "(marft_jax.rl.backups_reference.token_level_gae_reference)",
             "s_per_call": statistics.median(base_times), "s_per_call_best": min(base_times),
             "repeats": a.baseline_repeats}
-    for d in (ours, base, *others.values()):
+    g1 = None
+    try:
+        g1_buffers = [g1_token_gae.g1_buffers(*args_np) for _ in range(a.baseline_repeats)]
+    except ValueError as e:
+        g1 = {"skipped": str(e)}
+    if g1 is None:
+        g1_times = []
+        for buf in g1_buffers:                       # fresh buffers per call, filled untimed
+            t0 = time.perf_counter()
+            g1_token_gae.g1_token_gae(buf, a.gamma, a.lam)
+            g1_times.append(time.perf_counter() - t0)
+        g1_adv = g1_token_gae.advantages_canonical(g1_buffers[-1])
+        g1 = {"name": "the reference's buffer loop (marft_jax.bench.g1_token_gae.g1_token_gae)",
+              "s_per_call": statistics.median(g1_times), "s_per_call_best": min(g1_times),
+              "repeats": a.baseline_repeats,
+              "max_abs_diff_vs_ours": float(np.max(np.abs(adv - g1_adv)))}
+    for d in (ours, base, *others.values(), *([g1] if "s_per_call" in g1 else [])):
         d["decision_points_per_s"] = points / d["s_per_call"]
 
     report = {
@@ -139,6 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
         "speedup": base["s_per_call"] / ours["s_per_call"],
         "speedup_best": base["s_per_call_best"] / ours["s_per_call_best"],
         "max_abs_diff_vs_baseline": float(np.max(np.abs(adv - base_adv))),
+        "baseline_g1_loop": g1,
+        "speedup_vs_g1_loop": g1["s_per_call"] / ours["s_per_call"] if "s_per_call" in g1 else None,
         "jax": {"version": jax.__version__, "backend": jax.default_backend(),
                 "devices": [str(d) for d in jax.devices()]},
         "cpu": cpu,

@@ -50,8 +50,9 @@ Implementations (``impl``), all float32 and equal up to float rounding:
   ``combine((a_r, b_r), (a_l, b_l)) = (a_l + b_l a_r, b_l b_r)``. Log depth; best on GPU/TPU.
   Any ``dp_mask``.
 * ``"blocked"``: the same recurrence solved per response (block = one agent's response):
-  deltas in closed form, a short scan over the chunk sequence for the links between
-  responses, then one scan over the token axis vectorized over every response. Requires
+  deltas in closed form, a short unrolled scan over the chunk sequence for the links between
+  responses, then the in-response suffix sums as two small triangular matmuls
+  (:func:`discounted_suffix_sum`), no loop over tokens and no transpose. Requires
   right-padded responses (``dp_mask[..., k] = k < K_{s,b,i}``, the layout contract); it reads
   ``K_{s,b,i} = sum_k dp_mask``. Fastest on CPU.
 * ``"auto"`` (default): ``"blocked"`` on CPU, ``"associative"`` elsewhere.
@@ -198,9 +199,9 @@ def _gae_blocked(
     Inside a response, ``A_k = delta_k + gl * A_{k+1}`` with ``delta_k = r_k + gamma V_{k+1} - V_k``
     (the last token: ``r + gamma c V_next - V`` and ``A_next`` scaled by ``c``), so
     ``A_0 = sum_k gl^k delta_k + gl^K c A_next``: a short scan over responses gives every
-    response's ``A_next``; folding ``gl c A_next`` into the last token's delta, one scan over
-    tokens (vectorized over all responses, no mask needed: padding sits after each response
-    and has delta = 0) fills in the rest.
+    response's ``A_next``; folding ``gl c A_next`` into the last token's delta, one discounted
+    suffix sum over the token axis (:func:`discounted_suffix_sum`; no mask needed: padding
+    sits after each response and has delta = 0) fills in the rest.
 
     Returns:
       ``[S, B, N, K]`` float32 advantages, zero off valid points.
@@ -218,8 +219,9 @@ def _gae_blocked(
         h, v0 = x
         return jnp.where(h, v0, carry), carry
 
+    # Few chunks (steps x agents): unrolled, a while loop's per-iteration cost dominates here.
     _, v_after = lax.scan(next_value, value_end, (to_chunks(has), to_chunks(value[..., 0])),
-                          reverse=True)
+                          reverse=True, unroll=True)
     v_after = from_chunks(v_after)                                      # [S, B, N]
 
     is_last = k == (length - 1)[..., None]
@@ -236,20 +238,58 @@ def _gae_blocked(
         return jnp.where(h, a0 + g0 * carry, carry), carry
 
     _, a_after = lax.scan(next_adv, jnp.zeros_like(value_end),
-                          (to_chunks(has), to_chunks(head), to_chunks(gain)), reverse=True)
+                          (to_chunks(has), to_chunks(head), to_chunks(gain)), reverse=True, unroll=True)
     # Fold the link into the last token's delta; then A_k = delta_k + gl * A_{k+1} with A = 0
     # after the response: padding (delta = 0, at the end of each response) keeps A at 0.
     link_term = (gl * chunk_link * from_chunks(a_after))[..., None]
     delta = delta + jnp.where(is_last, link_term, 0.0)
 
-    def token_step(carry, d):
-        carry = d + gl * carry
-        return carry, carry
+    return discounted_suffix_sum(delta, gl)
 
-    width = delta.shape[0] * delta.shape[1] * delta.shape[2]
-    _, adv = lax.scan(token_step, jnp.zeros((width,), f32), layout.token_major(delta),
-                      reverse=True)
-    return layout.from_token_major(adv, shape)
+
+def _triangular_powers(n: int, g: jax.Array, stride: int = 1, offset: int = 0) -> jax.Array:
+    """``[n, n]`` float32: ``M[i, j] = g^(stride * (j - i) - offset)`` for ``j - i >= offset // stride``
+    (upper triangle from diagonal ``offset // stride``), 0 elsewhere."""
+    d = jnp.arange(n)[None, :] - jnp.arange(n)[:, None]
+    e = stride * d - offset
+    return jnp.where(e >= 0, jnp.power(g, jnp.maximum(e, 0).astype(jnp.float32)), 0.0)
+
+
+def discounted_suffix_sum(x: jax.Array, g: float | jax.Array, block: int = 16) -> jax.Array:
+    """``y_k = sum_{j >= k} g^(j - k) x_j`` along the last axis (``y_k = x_k + g y_{k+1}``).
+
+    Two-level blocked form without a sequential loop: the axis is cut into blocks of ``block``;
+    inside a block ``y`` is one small upper-triangular matmul, ``[block, block]``; across blocks
+    the suffix of the block heads is a second one, ``[n_blocks, n_blocks]``; every entry then adds
+    ``g^(block - i)`` times the suffix at the start of the next block. No negative powers (no
+    overflow for small ``g``). On the CPU this beats a ``lax.scan`` over the axis (one short
+    vector per iteration) and keeps the natural layout (no transposes).
+
+    Args:
+      x: ``[..., K]`` float32.
+      g: the per-position factor (``gamma * lam`` for GAE).
+      block: block length (16 measured best on 2-core x86 for K = 512).
+
+    Returns:
+      ``[..., K]`` float32.
+    """
+    f32 = jnp.float32
+    g = jnp.asarray(g, f32)
+    k = x.shape[-1]
+    nb = -(-k // block)
+    pad = nb * block - k
+    if pad:
+        x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, pad)])
+    xb = x.reshape(x.shape[:-1] + (nb, block))
+    hi = lax.Precision.HIGHEST
+    local = jnp.einsum("...bj,ij->...bi", xb, _triangular_powers(block, g), precision=hi)
+    # Suffix at the start of block b + 1: sum_{c > b} g^(block (c - b - 1)) head_c.
+    later = _triangular_powers(nb, g, stride=block, offset=block)
+    nxt = jnp.einsum("...c,bc->...b", local[..., 0], later, precision=hi)
+    tail = jnp.power(g, (block - jnp.arange(block)).astype(f32))
+    y = local + tail * nxt[..., None]
+    y = y.reshape(x.shape)
+    return y[..., :k] if pad else y
 
 
 # ----------------------------------------------------------------------------------------------

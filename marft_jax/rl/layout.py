@@ -10,8 +10,7 @@ their time-major twins for scans, :func:`time_major_decisions`) are the only pla
 reshape/transpose is written; :func:`flatten_agent_sequences` /
 :func:`unflatten_agent_sequences` (and :func:`time_major_agent_sequences`) are the only place
 the per-agent (independent PPO) view is written. Flat row ``r`` of the per-agent view is
-``(batch r // N, agent r % N)``. :func:`token_major` is the token-leading view of every
-response used by the blocked backup.
+``(batch r // N, agent r % N)``.
 
 Masks are derived from lengths / ``act_mask``, never by comparing token ids with a pad id.
 """
@@ -167,20 +166,6 @@ def from_time_major_decisions(x: jax.Array, decision_shape: Sequence[int]) -> ja
     shape = jnp.shape(x)
     x = x.reshape(decision_shape + tuple(shape[1:]))         # [S, N, (K), B, *rest]
     return jnp.moveaxis(x, len(decision_shape), BATCH_AXIS)
-
-
-def token_major(x: jax.Array) -> jax.Array:
-    """``[S, B, N, K]`` -> ``[K, S*B*N]``: the token axis leading, every response a column.
-
-    Used by the blocked backup for a scan over tokens vectorized over all responses.
-    """
-    s, b, n, k = jnp.shape(x)
-    return x.reshape(s * b * n, k).T
-
-
-def from_token_major(x: jax.Array, shape: Sequence[int]) -> jax.Array:
-    """Inverse of :func:`token_major`: ``[K, S*B*N]`` -> ``[S, B, N, K]`` (``shape``)."""
-    return x.T.reshape(tuple(shape))
 
 
 # ----------------------------------------------------------------------------------------------

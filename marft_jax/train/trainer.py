@@ -102,7 +102,7 @@ def _eval_and_save(run: Run, state: TrainState, problems, cfg: Config, run_dir: 
                    seeds=(0,), temperature=None) -> EvalResult:
     res = evaluate(run.learner, state, problems, seeds=list(seeds),
                    temperature=cfg.train.eval_temperature if temperature is None else temperature,
-                   batch_size=max(cfg.rollout.rows, 8))
+                   batch_size=cfg.train.eval_batch_size)
     # eval/before.json and eval/after.json feed `marft-jax table`; periodic ones stay apart.
     out = run_dir / "eval" if tag in ("before", "after") else run_dir / "eval" / "periodic"
     out.mkdir(parents=True, exist_ok=True)
@@ -178,15 +178,16 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
     if not eval_problems:
         raise ValueError(f"task {run.task.name!r} has no test problems for evaluation")
 
-    t_start = time.perf_counter()
-    if before is None:
+    if before is None and cfg.train.eval_before:
+        t_eval = time.perf_counter()
         res = _eval_and_save(run, state, eval_problems, cfg, run_dir, "before")
         before = res.mean
         print(f"accuracy before training: {before:.3f} on {len(eval_problems)} held-out problems "
-              f"({time.perf_counter() - t_start:.0f}s)")
+              f"({time.perf_counter() - t_eval:.0f}s)")
+    t_start = time.perf_counter()       # the time budget counts training only
     seed_key = jax.random.key(cfg.train.seed + 1)
     bar = _progress(cfg.train.iterations, start)
-    it, skipped, budget_hit = start, 0, False
+    it, skipped, budget_hit, last_step_s = start, 0, False, 0.0
     last_metrics: dict = {}
 
     def save(i: int) -> None:
@@ -202,10 +203,13 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
                 break
             if stop_after is not None and it - start >= stop_after:
                 break
-            if cfg.train.time_budget_s and time.perf_counter() - t_start > cfg.train.time_budget_s:
+            # Do not start an iteration expected (from the last one) to end past the budget.
+            if cfg.train.time_budget_s and (time.perf_counter() - t_start + last_step_s
+                                            > cfg.train.time_budget_s):
                 print(f"time budget of {cfg.train.time_budget_s:.0f}s reached after {it} iterations")
                 budget_hit = True
                 break
+            t_step = time.perf_counter()
             problems = stream.take(cfg.rollout.rows)
             backup = jax.tree.map(jnp.copy, state)  # the update donates `state`
             state, m, _ = learner.iteration(state, problems, iteration=it, env_samples=env_samples,
@@ -217,6 +221,7 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
                 m["train/nonfinite_skipped"] = skipped
                 print(f"iteration {it + 1}: non-finite loss or parameters, update skipped", file=sys.stderr)
             env_samples = int(m.get("env_samples", env_samples))
+            last_step_s = time.perf_counter() - t_step
             it += 1
             last_metrics = {k: v for k, v in m.items() if isinstance(v, (int, float))}
             writer.write(it, last_metrics)
