@@ -45,15 +45,9 @@ METHODS = {
 
 
 def _machine() -> str:
-    model = platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{model}, {os.cpu_count()} logical cores, {platform.system()} (CPU only)"
+    from marft_jax.bench.machine import cpu_model
+
+    return f"{cpu_model()}, {os.cpu_count()} logical cores, {platform.system()} (CPU only)"
 
 
 def _commit() -> str:
@@ -110,7 +104,7 @@ def run_one(method: str, seed: int, overrides: list[str], runs_dir: Path, untrai
             return done
     shared = untrained.get(key)
     if shared is not None:
-        cfg = load_config(f"cpu_repro/{method}", over + ["train.eval_before=false"])
+        cfg.train.eval_before = False
     t0 = time.perf_counter()
     summary = train(cfg)
     summary["wall_s"] = round(time.perf_counter() - t0, 1)

@@ -16,8 +16,6 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -27,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marft_jax.bench import g1_token_gae
+from marft_jax.bench.machine import cpu_info
 from marft_jax.rl import backups, backups_reference, layout, rewards
 
 
@@ -60,24 +59,6 @@ def _time_calls(fn, repeats: int) -> list[float]:
     return out
 
 
-def _cpu_info() -> dict:
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info = {"model": model, "logical_cores": os.cpu_count()}
-    try:
-        info["loadavg_1m_at_start"] = os.getloadavg()[0]
-    except OSError:
-        pass
-    return info
-
-
 def bench_ours(args_np, impl: str, gamma: float, lam: float, repeats: int) -> tuple[dict, np.ndarray]:
     fn = jax.jit(functools.partial(backups.token_level_gae, gamma=gamma, lam=lam, impl=impl))
     args = [jax.device_put(a) for a in args_np]
@@ -108,7 +89,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
 
-    cpu = _cpu_info()
+    cpu = cpu_info()
     args_np = make_inputs(a.steps, a.rows, a.agents, a.tokens, a.lengths, a.seed)
     points = int(args_np[2].sum())
 

@@ -61,6 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marft_jax.bench.machine import cpu_model
 from marft_jax.bench.sampler import matmul_roofline_flops
 from marft_jax.models import decoder, logprobs as lp_lib
 from marft_jax.models.config import ModelConfig
@@ -500,7 +501,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "jax_backend": jax.default_backend(),
         "cpu_cores": cores,
         "machine": platform.processor() or platform.machine(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
     if baseline is not None:
@@ -538,17 +539,6 @@ def main(argv: Sequence[str] | None = None) -> dict:
         report["no_cache_minus_cache_s"] = report["ours_no_cache_s"] - ours_s
     print(json.dumps(report))
     return report
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
 
 
 if __name__ == "__main__":

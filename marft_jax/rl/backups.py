@@ -248,8 +248,8 @@ def _gae_blocked(
 
 
 def _triangular_powers(n: int, g: jax.Array, stride: int = 1, offset: int = 0) -> jax.Array:
-    """``[n, n]`` float32: ``M[i, j] = g^(stride * (j - i) - offset)`` for ``j - i >= offset // stride``
-    (upper triangle from diagonal ``offset // stride``), 0 elsewhere."""
+    """``[n, n]`` float32: ``M[i, j] = g^e`` with ``e = stride * (j - i) - offset`` where
+    ``e >= 0``, 0 elsewhere (an upper triangle of discount powers; never a negative power)."""
     d = jnp.arange(n)[None, :] - jnp.arange(n)[:, None]
     e = stride * d - offset
     return jnp.where(e >= 0, jnp.power(g, jnp.maximum(e, 0).astype(jnp.float32)), 0.0)
