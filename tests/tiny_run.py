@@ -43,7 +43,7 @@ def tiny_overrides(model_dir: Path, out_dir: Path, run_name: str, **extra) -> li
         "rollout.context_window": 512, "train.iterations": 4, "train.eval_problems": 2,
         "train.save_every": 2, "train.scoring_workers": 0, "train.out_dir": str(out_dir),
         "train.run_name": run_name, "train.time_budget_s": "null", "task.train_size": 50,
-        "task.test_size": 10, "ppo.epochs": 1, "optim.policy_lr": 1e-3,
+        "task.test_size": 10, "ppo.epochs": 1, "ppo.num_minibatches": 1, "optim.policy_lr": 1e-3,
     }
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]

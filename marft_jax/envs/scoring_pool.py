@@ -12,6 +12,11 @@ Example::
         pending = pool.submit(transcripts)     # returns immediately
         ...                                    # run the next rollout on the accelerator
         scores = pending.result()
+
+Scripts that create a pool with ``workers > 0`` need the ``if __name__ == "__main__":`` guard:
+a spawn-started worker re-imports the main module, and without the guard it fails during
+start-up, which leaves ``concurrent.futures`` waiting forever (CPython's behaviour). The
+``marft-jax`` commands are guarded; so is ``experiments/cpu_repro.py``.
 """
 
 from __future__ import annotations
