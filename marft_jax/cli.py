@@ -33,13 +33,10 @@ def _split_overrides(items: list[str]) -> tuple[str | None, list[str]]:
 
 
 def _load(items: list[str], default: str | None):
-    from marft_jax.config import ConfigError, load_config
+    from marft_jax.config import load_config
 
     preset, overrides = _split_overrides(items)
-    try:
-        cfg = load_config(preset or default, overrides)
-    except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from None
+    cfg = load_config(preset or default, overrides)      # ConfigError: exit status 2 (main)
     if preset or default:
         from dataclasses import replace
 
@@ -230,9 +227,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from marft_jax.config import ConfigError
+
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
     except FileNotFoundError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -66,7 +66,8 @@ class RolloutSection:
     rows: int = 8                       # episodes per rollout
     horizon: int = 1
     max_steps: Optional[int] = None
-    max_new_tokens: int = 512
+    max_new_tokens: int = 512           # per agent (the sampler's buffer size)
+    agent_max_new_tokens: Optional[list[int]] = None  # one budget per agent, each <= max_new_tokens
     context_window: int = 2048
     temperature: float = 1.0
     top_k: int = 0
@@ -206,6 +207,12 @@ def validate(cfg: Config) -> Config:
     need("rollout.max_new_tokens", cfg.rollout.max_new_tokens >= 1, ">= 1")
     need("rollout.context_window", cfg.rollout.context_window > cfg.rollout.max_new_tokens,
          f"> rollout.max_new_tokens ({cfg.rollout.max_new_tokens})")
+    budgets = cfg.rollout.agent_max_new_tokens
+    if budgets is not None:
+        need("rollout.agent_max_new_tokens", len(budgets) == cfg.team.num_agents,
+             f"one budget per agent (team.num_agents={cfg.team.num_agents})")
+        need("rollout.agent_max_new_tokens", all(1 <= k <= cfg.rollout.max_new_tokens for k in budgets),
+             f"budgets in [1, rollout.max_new_tokens={cfg.rollout.max_new_tokens}]")
     need("rollout.temperature", cfg.rollout.temperature > 0, "> 0 for training rollouts")
     need("rollout.top_k", cfg.rollout.top_k >= 0, ">= 0 (0 = off)")
     need("rollout.top_p", 0 < cfg.rollout.top_p <= 1, "in (0, 1]")

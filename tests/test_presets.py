@@ -181,6 +181,9 @@ def test_round_trip_through_yaml(tmp_path, configs):
     ("algo.level=episode", "algo.level"),             # not a choice
     ("algo.gamma=1.5", "algo.gamma"),
     ("rollout.context_window=16", "rollout.context_window"),  # not above max_new_tokens
+    ("rollout.agent_max_new_tokens=[16]", "rollout.agent_max_new_tokens"),        # one per agent (2)
+    ("rollout.agent_max_new_tokens=[16,0]", "rollout.agent_max_new_tokens"),      # below 1
+    ("rollout.agent_max_new_tokens=[16,4096]", "rollout.agent_max_new_tokens"),   # above max_new_tokens
 ])
 def test_bad_value_names_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -100,7 +100,9 @@ def test_bad_model_path_and_profile_count_are_clear(tmp_path):
     out = _cli("train", "demo", "model.name=/nonexistent/model", f"train.out_dir={tmp_path}")
     assert out.returncode == 2 and "/nonexistent/model" in out.stderr
     out = _cli("train", "demo", "team.num_agents=3", f"train.out_dir={tmp_path}")
-    assert out.returncode == 2 and "3" in out.stderr and "2" in out.stderr, out.stderr
+    assert out.returncode == 2 and "rollout.agent_max_new_tokens" in out.stderr, out.stderr  # demo's 2 budgets
+    out = _cli("train", "demo", "team.num_agents=3", "rollout.agent_max_new_tokens=null", f"train.out_dir={tmp_path}")
+    assert out.returncode == 2 and "defines 2 agent(s)" in out.stderr and "num_agents=3" in out.stderr, out.stderr
 
 
 def test_unsupported_architecture_is_refused(tmp_path, tiny_dir):
@@ -120,3 +122,26 @@ def test_dataset_missing_field_is_named(tmp_path):
     f.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n')
     out = _cli("train", "demo", "task.name=generic", f"task.path={f}", f"train.out_dir={tmp_path}")
     assert out.returncode == 2 and "d.jsonl" in out.stderr and "answer" in out.stderr, out.stderr
+
+
+def test_per_agent_token_budgets_reach_the_rollout(tiny_dir, tmp_path):
+    """`rollout.agent_max_new_tokens` caps each agent's response at its own budget."""
+    import itertools
+
+    import jax
+    import numpy as np
+
+    from marft_jax.train.build import build_run, lora_config, optim_config
+    from marft_jax.train.state import init_train_state
+
+    cfg = load_config("demo", tiny_overrides(tiny_dir, tmp_path, "budgets", **{
+        "rollout.max_new_tokens": 8, "rollout.agent_max_new_tokens": "[8,3]", "rollout.temperature": 1.0}))
+    run = build_run(cfg)
+    try:
+        state = init_train_state(jax.random.key(0), run.model.cfg, lora_config(cfg), 2, optim_config(cfg, 1))
+        probs = list(itertools.islice(run.task.problems("train", 0), 8))
+        traj, _ = run.learner.play(state, probs, jax.random.key(0))
+    finally:
+        run.close()
+    lengths = np.asarray(traj.act_valid).sum(-1)[0]        # [B, N]
+    assert traj.shape[-1] == 8 and lengths[:, 1].max() <= 3 and lengths[:, 0].max() > 3

@@ -40,6 +40,7 @@ def make_tiny_model_dir(root: Path) -> Path:
 def tiny_overrides(model_dir: Path, out_dir: Path, run_name: str, **extra) -> list[str]:
     base = {
         "model.name": str(model_dir), "rollout.rows": 2, "rollout.max_new_tokens": 6,
+        "rollout.agent_max_new_tokens": "null",
         "rollout.context_window": 512, "train.iterations": 4, "train.eval_problems": 2,
         "train.save_every": 2, "train.scoring_workers": 0, "train.out_dir": str(out_dir),
         "train.run_name": run_name, "train.time_budget_s": "null", "task.train_size": 50,

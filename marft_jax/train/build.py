@@ -117,7 +117,9 @@ def build_run(cfg: Config) -> Run:
                         max_prompt_len=r.context_window),
         team=team, score_fn=pool.score,
         rollout_cfg=RolloutConfig(mode=r.mode, horizon=r.horizon, max_steps=r.max_steps,
-                                  max_new_tokens=r.max_new_tokens, context_window=r.context_window,
+                                  max_new_tokens=(r.max_new_tokens if r.agent_max_new_tokens is None
+                                                  else tuple(r.agent_max_new_tokens)),
+                                  context_window=r.context_window,
                                   success_threshold=r.success_threshold, prompt_format=r.prompt_format),
         sampling=SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
                                 top_p=r.top_p),
