@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from marft_jax.rl import backups, backups_reference, layout, rewards
+from marft_jax.rl import backups, backups_reference, layout, native, rewards
 
-IMPLS = ("scan", "associative", "blocked")
+IMPLS = ("scan", "associative", "blocked", "native")
 HYP = settings(max_examples=15, deadline=None, derandomize=True,
                suppress_health_check=[HealthCheck.too_slow])
 ATOL = 2e-5
@@ -33,7 +33,15 @@ def _jitted(fn_name: str, impl: str, reference_semantics: bool | None = None):
     return jax.jit(functools.partial(fn, **kw))
 
 
+def skip_unless_native():
+    st = native.status()
+    if not st.available:
+        pytest.skip(f"native backup kernel unavailable: {st.reason}")
+
+
 def run(fn_name, *args, impl="auto", reference_semantics=None, gamma, lam):
+    if impl == "native":
+        skip_unless_native()
     f = _jitted(fn_name, impl, reference_semantics)
     adv, ret = f(*(jnp.asarray(a) for a in args), gamma=gamma, lam=lam)
     return np.asarray(adv), np.asarray(ret)
@@ -92,7 +100,7 @@ def test_worked_example_token_level(impl):
         np.testing.assert_array_equal(ret[0, row, empty], 0.0)
 
 
-@pytest.mark.parametrize("impl", ["scan", "blocked"])
+@pytest.mark.parametrize("impl", ["scan", "blocked", "native"])
 def test_worked_example_action_level(impl):
     v = jnp.array([[[0.5, 0.7], [0.5, 0.7]]])                         # [1, 2 rows, 2 agents]
     dp = jnp.ones((1, 2, 2), bool)
@@ -206,7 +214,7 @@ def test_reference_semantics_matches_g1_masks_oracle(seed, p_empty, gl, level):
         oracle, fn = backups_reference.action_level_gae_reference, "action_level_gae"
     args = (reward, value, dp, d["step_mask"], d["terminal"], d["truncated"], d["v_boot"])
     want_adv, _ = oracle(*args, gamma=gl[0], lam=gl[1], g1_masks=True)
-    for impl in ("scan", "blocked"):      # associative shares the scan path's link factors
+    for impl in ("scan", "blocked", "native"):   # associative shares scan's link factors
         adv, _ = run(fn, *args, impl=impl, reference_semantics=True, gamma=gl[0], lam=gl[1])
         np.testing.assert_allclose(adv, want_adv, atol=ATOL, rtol=1e-5)
 
@@ -226,13 +234,13 @@ def test_independent_matches_oracle(seed, p_empty, gl, level):
         reward, value = np.where(dp, d["reward"].sum(-1), 0).astype(np.float32), d["value"][..., 0]
     args = (reward, value, dp, d["step_mask"], d["terminal"], d["truncated"], v_boot)
     want_adv, want_ret = backups_reference.independent_gae_reference(*args, gamma=gl[0], lam=gl[1])
-    for impl in ("scan", "blocked"):
+    for impl in ("scan", "blocked", "native"):
         adv, ret = run("independent_gae", *args, impl=impl, gamma=gl[0], lam=gl[1])
         np.testing.assert_allclose(adv, want_adv, atol=ATOL, rtol=1e-5)
         np.testing.assert_allclose(ret, want_ret, atol=ATOL, rtol=1e-5)
 
 
-@pytest.mark.parametrize("impl", ["scan", "blocked"])
+@pytest.mark.parametrize("impl", ["scan", "blocked", "native"])
 def test_single_agent_matches_oracle_and_independent(impl):
     d = make_batch(SINGLE_AGENT_SHAPE, 7, 0.3, "any")
     dp = d["act_mask"] & d["step_mask"][:, :, None, None]
@@ -298,7 +306,7 @@ def test_g1_code_transcription_action_and_token_level():
                         gae = delta + gamma * lam * gae
                     adv_g1[step, thread, agent, token] = gae
     reward = np.where(np.arange(k_) == (lengths - 1)[..., None], rt[..., None], 0.0).astype(np.float32)
-    for impl in ("scan", "blocked"):
+    for impl in ("scan", "blocked", "native"):
         adv, _ = run("token_level_gae", reward, vt[:s_].astype(np.float32), act_mask, ones, done,
                      np.zeros_like(done), next_value.astype(np.float32), impl=impl,
                      reference_semantics=True, gamma=gamma, lam=lam)
@@ -340,6 +348,142 @@ def test_associative_matches_oracle_on_long_rows():
     want_adv, want_ret = backups_reference.token_level_gae_reference(*args, gamma=0.99, lam=0.95)
     np.testing.assert_allclose(adv, want_adv, atol=1e-4, rtol=1e-5)
     np.testing.assert_allclose(ret, want_ret, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("k", [8, 13, 40, 67])
+@pytest.mark.parametrize("gl", [(0.99, 0.95), (1.0, 1.0), (0.5, 0.0)])
+def test_native_long_responses_match_oracle(k, gl):
+    """Responses longer than the kernel's vector blocks (K = 8 fills one, 67 leaves a tail)."""
+    d = make_batch((3, 5, 2, k), k, 0.2, "any")
+    dp = d["act_mask"] & d["step_mask"][:, :, None, None]
+    garbage = ~dp & (d["rng"].random(dp.shape) < 0.5)       # NaN pads: must not propagate
+    value = np.where(garbage, np.nan, d["value"]).astype(np.float32)
+    args = (d["reward"], value, dp, d["step_mask"], d["terminal"], d["truncated"])
+    want_adv, want_ret = backups_reference.token_level_gae_reference(
+        *args, d["v_boot"], gamma=gl[0], lam=gl[1])
+    adv, ret = run("token_level_gae", *args, d["v_boot"], impl="native", gamma=gl[0], lam=gl[1])
+    np.testing.assert_allclose(adv, want_adv, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(ret, want_ret, atol=1e-4, rtol=1e-5)
+    v_boot = d["rng"].normal(size=(5, 2)).astype(np.float32)
+    want_adv, want_ret = backups_reference.independent_gae_reference(
+        *args, v_boot, gamma=gl[0], lam=gl[1])
+    adv, ret = run("independent_gae", *args, v_boot, impl="native", gamma=gl[0], lam=gl[1])
+    np.testing.assert_allclose(adv, want_adv, atol=1e-4, rtol=1e-5)
+    np.testing.assert_allclose(ret, want_ret, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("reference_semantics", [False, True])
+def test_native_any_mask_matches_scan(reference_semantics):
+    """Validity that is not a prefix per response (holes): the kernel's masked path."""
+    d = make_batch((3, 4, 3, 21), 9, 0.2, "any", g1_rows=reference_semantics)
+    holes = d["rng"].random(d["act_mask"].shape) < 0.3
+    dp = d["act_mask"] & ~holes
+    value = np.where(dp, d["value"], np.nan).astype(np.float32)
+    reward = np.where(dp, d["reward"], np.nan).astype(np.float32)
+    args = (reward, value, dp, d["step_mask"], d["terminal"], d["truncated"], d["v_boot"])
+    want = run("token_level_gae", *args, impl="scan", reference_semantics=reference_semantics,
+               gamma=0.9, lam=0.8)
+    got = run("token_level_gae", *args, impl="native", reference_semantics=reference_semantics,
+              gamma=0.9, lam=0.8)
+    for w, g in zip(want, got):
+        assert np.all(np.isfinite(g))
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+    v_boot = d["rng"].normal(size=(4, 3)).astype(np.float32)
+    want = run("independent_gae", *args[:-1], v_boot, impl="scan", gamma=0.9, lam=0.8)
+    got = run("independent_gae", *args[:-1], v_boot, impl="native", gamma=0.9, lam=0.8)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("lengths", ["full", "random"])
+def test_native_matches_blocked_at_bench_shape(lengths):
+    """The benchmark's shape (131k decision points), full and random lengths."""
+    from marft_jax.bench import backups as bench
+
+    args = bench.make_inputs(2, 32, 4, 512, lengths, 3)
+    want = run("token_level_gae", *args, impl="blocked", gamma=0.99, lam=0.95)
+    got = run("token_level_gae", *args, impl="native", gamma=0.99, lam=0.95)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, atol=2e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("width", [4, 8, 16])
+def test_native_vector_widths_match_scan(width):
+    """Each vector path of the kernel (capped width; the CPU may lack the wider ones) against
+    the scan recurrence, fed the same link factors and end values."""
+    skip_unless_native()
+    s_, b_, n_, k_ = 2, 5, 3, 45
+    rng = np.random.default_rng(width)
+    lengths = rng.integers(0, k_ + 1, size=(s_, b_, n_))
+    dp = np.arange(k_) < lengths[..., None]
+    dp[0, 0, 1] = rng.random(k_) < 0.5                           # one response with holes
+    step_mask = np.ones((s_, b_), bool)
+    step_mask[1, 3] = False
+    valid = dp & step_mask[:, :, None, None]
+    reward = np.where(valid, rng.normal(size=dp.shape), np.nan).astype(np.float32)
+    value = np.where(valid, rng.normal(size=dp.shape), np.nan).astype(np.float32)
+    link = rng.choice(np.float32([0.0, 0.5, 1.0]), size=(s_, b_, n_))
+    for independent in (False, True):
+        v_end = rng.normal(size=b_ * n_ if independent else b_).astype(np.float32)
+        span = native.spans(jnp.asarray(dp), jnp.asarray(step_mask))
+        adv, ret = native.gae(jnp.asarray(reward), jnp.asarray(value), jnp.asarray(dp), span,
+                              jnp.asarray(link), jnp.asarray(v_end), gamma=0.97, lam=0.9,
+                              independent=independent, max_width=width)
+        tm = functools.partial(layout.time_major_agent_sequences if independent
+                               else layout.time_major_decisions, level="token")
+        last = np.asarray(backups._last_valid(jnp.asarray(valid)))
+        link_tok = np.where(last, link[..., None], 1.0)
+        want = backups.gae_time_major(tm(reward), tm(value), tm(valid), tm(link_tok), v_end,
+                                      gamma=0.97, lam=0.9, impl="scan")
+        want = np.asarray(want)
+        np.testing.assert_allclose(np.asarray(tm(adv)), want, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(tm(ret)), np.where(tm(valid), want + tm(value), 0),
+                                   atol=1e-5, rtol=1e-5)
+
+
+def test_native_auto_and_cache():
+    """``auto`` picks the kernel on a single CPU device; a second build hits the cache."""
+    skip_unless_native()
+    assert jax.device_count() == 1
+    assert backups.resolve_impl("auto") == "native"
+    path = Path(native.status().library)
+    mtime = path.stat().st_mtime_ns
+    again, compiled, compile_s = native.build()
+    assert (again, compiled, compile_s) == (path, False, None)
+    assert path.stat().st_mtime_ns == mtime
+
+
+NO_COMPILER_SCRIPT = textwrap.dedent("""
+    import jax.numpy as jnp
+    from marft_jax.rl import backups, native
+    st = native.status()
+    assert not st.available and "/nonexistent" in st.reason, st
+    assert backups.resolve_impl("auto") == "blocked"
+    s, b, n, k = 2, 3, 2, 4
+    dp = jnp.ones((s, b, n, k), bool)
+    args = (jnp.ones((s, b, n, k)), jnp.ones((s, b, n, k)), dp, jnp.ones((s, b), bool),
+            jnp.zeros((s, b), bool), jnp.zeros((s, b), bool), jnp.zeros(b))
+    adv, _ = backups.token_level_gae(*args)
+    assert adv.shape == (s, b, n, k)
+    try:
+        backups.token_level_gae(*args, impl="native")
+    except native.NativeUnavailable as e:
+        assert "/nonexistent" in str(e), e
+    else:
+        raise AssertionError("impl='native' did not raise")
+    print("OK")
+""")
+
+
+def test_native_without_compiler_falls_back(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, CXX="/nonexistent/c++", MARFT_JAX_CACHE=str(tmp_path),
+               JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
+    proc = subprocess.run([sys.executable, "-c", NO_COMPILER_SCRIPT], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "OK" in proc.stdout
+    assert not any(tmp_path.iterdir())
 
 
 def test_input_layout_is_checked():

@@ -5,10 +5,14 @@ the test oracle) and the reference implementation's own buffer loop re-expressed
 
     python -m marft_jax.bench.backups [--rows 32 --agents 4 --tokens 512 --steps 2]
 
-Prints one JSON object: our seconds per call after compile (median and best), compile time
-separately, decision points per second, both baselines' figures, the speedups, the max abs
-differences between the results, shapes, JAX backend/devices and CPU info. The G1 loop cannot
-take empty responses (it crashes on them), so with ``--lengths random`` it is skipped.
+Prints one JSON object: our seconds per call after compile (median and best), the jit compile
+time separately, decision points per second, both baselines' figures, the speedups, the max abs
+differences between the results, shapes, JAX backend/devices and CPU info. ``impl`` defaults to
+``auto`` (the fused native kernel on a single-device CPU when it builds, else ``blocked``);
+``native_kernel`` reports the kernel's build (the C++ compile on a cache miss, timed apart from
+the jit compile) and ``--all-impls`` adds a row per other implementation (``blocked``, the
+XLA-only figure, included). The G1 loop cannot take empty responses (it crashes on them), so
+with ``--lengths random`` it is skipped.
 """
 
 from __future__ import annotations
@@ -26,7 +30,10 @@ import numpy as np
 
 from marft_jax.bench import g1_token_gae
 from marft_jax.bench.machine import cpu_info
-from marft_jax.rl import backups, backups_reference, layout, rewards
+from marft_jax.rl import backups, backups_reference, layout, native, rewards
+
+
+IMPL_ROWS = ("native", "blocked", "scan", "associative")   # --all-impls, besides ours
 
 
 def make_inputs(steps: int, rows: int, agents: int, tokens: int, lengths: str, seed: int):
@@ -72,6 +79,15 @@ def bench_ours(args_np, impl: str, gamma: float, lam: float, repeats: int) -> tu
              "repeats": repeats}, np.asarray(result.advantages))
 
 
+def native_kernel_report() -> dict:
+    """Builds (or loads from the cache) the native kernel; its figures, compile apart."""
+    t0 = time.perf_counter()
+    st = native.status()
+    return {"available": st.available, "reason": st.reason or None, "library": st.library,
+            "compiled_now": st.compiled, "compile_s": st.compile_s,
+            "build_and_load_s": time.perf_counter() - t0}
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=2)
@@ -93,12 +109,17 @@ def main(argv: list[str] | None = None) -> dict:
     args_np = make_inputs(a.steps, a.rows, a.agents, a.tokens, a.lengths, a.seed)
     points = int(args_np[2].sum())
 
+    kernel = native_kernel_report() if jax.default_backend() == "cpu" else None
     ours, adv = bench_ours(args_np, a.impl, a.gamma, a.lam, a.repeats)
     others = {}
     if a.all_impls:
-        for impl in ("scan", "associative", "blocked"):
-            if impl != ours["impl"]:
-                others[impl] = bench_ours(args_np, impl, a.gamma, a.lam, a.repeats)[0]
+        for impl in IMPL_ROWS:
+            if impl == ours["impl"]:
+                continue
+            if impl == "native" and not (kernel and kernel["available"]):
+                others[impl] = {"skipped": kernel["reason"] if kernel else "not a CPU backend"}
+                continue
+            others[impl] = bench_ours(args_np, impl, a.gamma, a.lam, a.repeats)[0]
 
     base_times, base_adv = [], None
     for _ in range(a.baseline_repeats):
@@ -125,8 +146,13 @@ def main(argv: list[str] | None = None) -> dict:
               "s_per_call": statistics.median(g1_times), "s_per_call_best": min(g1_times),
               "repeats": a.baseline_repeats,
               "max_abs_diff_vs_ours": float(np.max(np.abs(adv - g1_adv)))}
-    for d in (ours, base, *others.values(), *([g1] if "s_per_call" in g1 else [])):
-        d["decision_points_per_s"] = points / d["s_per_call"]
+    for d in (ours, base, *others.values(), g1):
+        if "s_per_call" in d:
+            d["decision_points_per_s"] = points / d["s_per_call"]
+    for d in others.values():
+        if "s_per_call" in d:
+            d["speedup"] = base["s_per_call"] / d["s_per_call"]
+            d["speedup_best"] = base["s_per_call_best"] / d["s_per_call_best"]
 
     report = {
         "bench": "token_level_backup",
@@ -136,6 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         "decision_points": points,
         "gamma": a.gamma, "lam": a.lam,
         "ours": ours,
+        "native_kernel": kernel,
         "baseline": base,
         "speedup": base["s_per_call"] / ours["s_per_call"],
         "speedup_best": base["s_per_call_best"] / ours["s_per_call_best"],

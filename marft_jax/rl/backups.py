@@ -54,11 +54,21 @@ Implementations (``impl``), all float32 and equal up to float rounding:
   responses, then the in-response suffix sums as two small triangular matmuls
   (:func:`discounted_suffix_sum`), no loop over tokens and no transpose. Requires
   right-padded responses (``dp_mask[..., k] = k < K_{s,b,i}``, the layout contract); it reads
-  ``K_{s,b,i} = sum_k dp_mask``. Fastest on CPU.
-* ``"auto"`` (default): ``"blocked"`` on CPU, ``"associative"`` elsewhere.
+  ``K_{s,b,i} = sum_k dp_mask``. The fastest pure-XLA implementation on CPU.
+* ``"native"``: a fused C++ kernel through the XLA FFI (:mod:`marft_jax.rl.native`), CPU
+  only: one reverse pass per row directly on the ``[S, B, N, K]`` layout writing advantages
+  and returns together (right-padded responses take a vectorised path that never reads past
+  the last valid token; any other ``dp_mask`` a point-by-point masked path). Built with the
+  system C++ compiler at first use and cached; unavailable without a compiler (selecting it
+  then raises, naming the reason). The ``[S, B, N]``-sized logic (link factors, bootstrap)
+  stays in JAX. The call is not partitioned (with several devices it runs on gathered
+  inputs), not differentiable, and ``vmap`` runs it once per batch element.
+* ``"auto"`` (default): ``"native"`` when the default backend is CPU with a single device and
+  the kernel is available; otherwise ``"blocked"`` on CPU, ``"associative"`` elsewhere.
 
 The batch axis carries no dependency, so it may be sharded (``NamedSharding`` with
-``P(None, "data")`` on ``[S, B, ...]`` inputs); outputs keep that sharding.
+``P(None, "data")`` on ``[S, B, ...]`` inputs); outputs keep that sharding (XLA
+implementations; ``"auto"`` never picks ``"native"`` with several devices).
 """
 
 from __future__ import annotations
@@ -69,9 +79,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from marft_jax.rl import layout
+from marft_jax.rl import layout, native
 
-IMPLS = ("auto", "scan", "associative", "blocked")
+IMPLS = ("auto", "scan", "associative", "blocked", "native")
 
 
 class Backup(NamedTuple):
@@ -82,11 +92,25 @@ class Backup(NamedTuple):
 
 
 def resolve_impl(impl: str) -> str:
-    """``"auto"`` -> ``"blocked"`` on CPU, ``"associative"`` on accelerators."""
+    """The implementation ``impl`` stands for (module doc); the only place ``"auto"`` is decided.
+
+    ``"auto"`` -> ``"native"`` on a single-device CPU backend when the kernel is available
+    (this builds it on first use), else ``"blocked"`` on CPU and ``"associative"`` on
+    accelerators. ``"native"`` raises :class:`marft_jax.rl.native.NativeUnavailable` naming
+    the reason when the kernel cannot be built, and ``ValueError`` off the CPU backend.
+    """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    cpu = jax.default_backend() == "cpu"
     if impl == "auto":
-        return "blocked" if jax.default_backend() == "cpu" else "associative"
+        if not cpu:
+            return "associative"
+        return "native" if jax.device_count() == 1 and native.available() else "blocked"
+    if impl == "native":
+        if not cpu:
+            raise ValueError(f"impl='native' is a CPU kernel; the default backend is "
+                             f"{jax.default_backend()!r}")
+        native.require()
     return impl
 
 
@@ -357,18 +381,39 @@ def _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level)
     return dims
 
 
-def _prepare(reward, value, dp_mask, step_mask, terminal):
-    """Token-shaped float32 copies (action level gets a K = 1 axis), masked validity/terminal."""
+class _Points(NamedTuple):
+    """Token-shaped inputs of a backup (action level gets a K = 1 axis).
+
+    ``mask``/``length`` depend on the implementation: for the XLA ones the validity
+    ``dp_mask & step_mask`` and its count per response; for ``"native"`` the raw ``dp_mask``
+    and :func:`marft_jax.rl.native.spans` (prefix length, -1 for a non-prefix response).
+    """
+
+    r: jax.Array            # [S, B, N, K] float32, garbage off valid points
+    v: jax.Array            # [S, B, N, K] float32, garbage off valid points
+    mask: jax.Array         # [S, B, N, K] bool
+    length: jax.Array       # [S, B, N] int32
+    has: jax.Array          # [S, B, N] bool, the response has >= 1 valid point
+    step_mask: jax.Array    # [S, B] bool
+    terminal: jax.Array     # [S, B] bool, masked by step_mask
+
+
+def _prepare(reward, value, dp_mask, step_mask, terminal, impl) -> _Points:
+    """Float32 token-shaped copies, masked terminal and per-response lengths (``impl`` resolved)."""
     expand = (lambda x: x[..., None]) if value.ndim == 3 else (lambda x: x)
     step_mask = step_mask.astype(bool)
     terminal = jnp.logical_and(terminal.astype(bool), step_mask)
-    valid = jnp.logical_and(expand(dp_mask.astype(bool)), step_mask[:, :, None, None])
+    dp = expand(dp_mask.astype(bool))
     # Not masked here: every implementation selects with the validity mask where it reads
     # them (pads may hold garbage, even NaN).
     r = expand(reward.astype(jnp.float32))
     v = expand(value.astype(jnp.float32))
+    if impl == "native":
+        span = native.spans(dp, step_mask)
+        return _Points(r, v, dp, span, span != 0, step_mask, terminal)
+    valid = jnp.logical_and(dp, step_mask[:, :, None, None])
     length = jnp.sum(valid, axis=-1, dtype=jnp.int32)               # [S, B, N] valid points
-    return r, v, valid, length, step_mask, terminal
+    return _Points(r, v, valid, length, length > 0, step_mask, terminal)
 
 
 def _row_end(step_mask, terminal, truncated, reference_semantics):
@@ -380,9 +425,19 @@ def _row_end(step_mask, terminal, truncated, reference_semantics):
     return jnp.logical_and(trunc_last, jnp.logical_not(term_last))
 
 
-def _solve(r, v, valid, length, chunk_link, v_end, *, independent, gamma, lam, impl, unroll):
-    """Dispatch to an implementation. Inputs token-shaped ``[S, B, N, K]``; returns adv, same."""
-    impl = resolve_impl(impl)
+def _solve(pts: _Points, chunk_link, v_end, *, independent, gamma, lam, impl, unroll):
+    """Dispatch to an implementation (``impl`` resolved). Returns token-shaped (adv, ret)."""
+    r, v, valid, length = pts.r, pts.v, pts.mask, pts.length
+    if impl == "native":
+        return native.gae(r, v, valid, length, chunk_link, v_end, gamma=gamma, lam=lam,
+                          independent=independent)
+    adv = _solve_xla(r, v, valid, length, chunk_link, v_end, independent=independent,
+                     gamma=gamma, lam=lam, impl=impl, unroll=unroll)
+    return adv, jnp.where(valid, adv + v, 0.0)
+
+
+def _solve_xla(r, v, valid, length, chunk_link, v_end, *, independent, gamma, lam, impl, unroll):
+    """The XLA implementations. Inputs token-shaped ``[S, B, N, K]``; returns adv, same."""
     s_, _, n_, k_ = r.shape
     if impl == "blocked":
         if independent:
@@ -436,7 +491,8 @@ def marft_gae(
       truncated: ``[S, B]`` bool, episode ended at s by a step cap (bootstrap from ``v_boot``).
       v_boot: ``[B]`` float, critic value at agent 0's context of step s*+1.
       gamma, lam: discount and GAE lambda (action default 0.99 / 0.95, token 1 / 1).
-      impl: ``"auto"`` | ``"scan"`` | ``"associative"`` | ``"blocked"`` (module doc).
+      impl: ``"auto"`` | ``"scan"`` | ``"associative"`` | ``"blocked"`` | ``"native"``
+        (module doc).
       reference_semantics: reproduce G1's masks (quirk #10) and bootstrap (module doc).
       unroll: ``lax.scan`` unroll (``impl="scan"``).
 
@@ -447,13 +503,13 @@ def marft_gae(
     level = layout.level_of(value)
     dims = _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level)
     layout.assert_layout(v_boot, "v_boot", (layout.BATCH,), sizes=dims)
-    r, v, valid, length, step_mask, terminal = _prepare(reward, value, dp_mask, step_mask, terminal)
-    chunk_link = _marft_chunk_links(length > 0, terminal, reference_semantics)
-    use_boot = _row_end(step_mask, terminal, truncated.astype(bool), reference_semantics)
+    impl = resolve_impl(impl)
+    pts = _prepare(reward, value, dp_mask, step_mask, terminal, impl)
+    chunk_link = _marft_chunk_links(pts.has, pts.terminal, reference_semantics)
+    use_boot = _row_end(pts.step_mask, pts.terminal, truncated.astype(bool), reference_semantics)
     v_end = jnp.where(use_boot, v_boot.astype(jnp.float32), 0.0)
-    adv = _solve(r, v, valid, length, chunk_link, v_end, independent=False,
-                 gamma=gamma, lam=lam, impl=impl, unroll=unroll)
-    ret = jnp.where(valid, adv + v, 0.0)
+    adv, ret = _solve(pts, chunk_link, v_end, independent=False,
+                      gamma=gamma, lam=lam, impl=impl, unroll=unroll)
     return Backup(adv.reshape(value.shape), ret.reshape(value.shape))
 
 
@@ -536,13 +592,13 @@ def independent_gae(
     level = layout.level_of(value)
     dims = _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level)
     layout.assert_layout(v_boot, "v_boot", (layout.BATCH, layout.AGENT), sizes=dims)
-    r, v, valid, length, step_mask, terminal = _prepare(reward, value, dp_mask, step_mask, terminal)
-    has = length > 0                                                    # [S, B, N]
+    impl = resolve_impl(impl)
+    pts = _prepare(reward, value, dp_mask, step_mask, terminal, impl)
+    has, terminal = pts.has, pts.terminal                               # [S, B, N], [S, B]
     cut = jnp.logical_and(has, _step_cuts(has, terminal[:, :, None]))   # per agent sequence
     chunk_link = jnp.where(cut, 0.0, 1.0).astype(jnp.float32)
-    use_boot = _row_end(step_mask, terminal, truncated.astype(bool), False)          # [B]
+    use_boot = _row_end(pts.step_mask, terminal, truncated.astype(bool), False)      # [B]
     v_end = jnp.where(use_boot[:, None], v_boot.astype(jnp.float32), 0.0).reshape(-1)  # [B*N]
-    adv = _solve(r, v, valid, length, chunk_link, v_end, independent=True,
-                 gamma=gamma, lam=lam, impl=impl, unroll=unroll)
-    ret = jnp.where(valid, adv + v, 0.0)
+    adv, ret = _solve(pts, chunk_link, v_end, independent=True,
+                      gamma=gamma, lam=lam, impl=impl, unroll=unroll)
     return Backup(adv.reshape(value.shape), ret.reshape(value.shape))

@@ -1,0 +1,233 @@
+"""Fused native CPU kernel for the Bellman backups, through the XLA FFI.
+
+``backups_kernel.cc`` (next to this file) holds two FFI handlers: ``spans`` (per response, the
+length of its valid prefix, or -1 when the validity is not a prefix) and ``gae`` (advantages
+and returns in one reverse pass per row on the ``[S, B, N, K]`` layout). The library is built
+lazily, at the first :func:`status` call, with the system C++ compiler (``$CXX``, else ``c++``,
+``g++`` or ``clang++``) into a per-user cache (``$MARFT_JAX_CACHE``, else
+``$XDG_CACHE_HOME/marft_jax``, else ``~/.cache/marft_jax``) under a name keyed by the source,
+the compile flags, the jaxlib version, the machine and the compiler's version. The build
+writes a temporary file and renames it (atomic), so concurrent processes are safe; a cached
+library is loaded without compiling. No ``-march``: the kernel picks its vector width at run
+time (16 lanes with AVX-512F, 8 with AVX2+FMA, else 4).
+
+Nothing here raises at import. When there is no compiler or the build fails, :func:`status`
+reports ``available=False`` with the reason (the compiler's stderr tail) and the backups fall
+back to the XLA implementations (``impl="auto"``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = Path(__file__).with_name("backups_kernel.cc")
+FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast", "-Wno-psabi")
+TARGETS = {"spans": ("marft_backup_spans", "MarftBackupSpans"),
+           "gae": ("marft_backup_gae", "MarftBackupGae")}
+
+
+class NativeUnavailable(RuntimeError):
+    """The kernel could not be built or loaded; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """Outcome of building/loading the kernel in this process.
+
+    ``compiled``: this process ran the compiler (cache miss); ``compile_s``: its wall seconds
+    (``None`` on a cache hit); ``load_s``: wall seconds of the whole :func:`status` step
+    (compile, if any, plus load and registration).
+    """
+
+    available: bool
+    reason: str = ""
+    library: str | None = None
+    compiled: bool = False
+    compile_s: float | None = None
+    load_s: float | None = None
+
+
+_lock = threading.Lock()
+_status: Status | None = None
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: ``$MARFT_JAX_CACHE`` or ``$XDG_CACHE_HOME/marft_jax``."""
+    env = os.environ.get("MARFT_JAX_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "marft_jax"
+
+
+def find_compiler() -> str:
+    """Path of the C++ compiler: ``$CXX`` if set (must exist), else ``c++``/``g++``/``clang++``."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        found = shutil.which(cxx)
+        if not found:
+            raise NativeUnavailable(f"C++ compiler $CXX={cxx!r} not found")
+        return found
+    for name in ("c++", "g++", "clang++"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise NativeUnavailable("no C++ compiler found ($CXX unset; none of c++, g++, clang++ on PATH)")
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeUnavailable(f"cannot run {cxx} --version: {e}") from None
+    if proc.returncode != 0:
+        raise NativeUnavailable(f"{cxx} --version failed: {proc.stderr.strip()[-500:]}")
+    return proc.stdout.strip()
+
+
+def library_path(cxx: str, directory: Path | None = None) -> Path:
+    """The cache file for this source, flags, jaxlib version, machine and compiler."""
+    import jaxlib
+
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(),
+                 platform.machine().encode(), cxx.encode(), _compiler_version(cxx).encode()):
+        key.update(part)
+        key.update(b"\0")
+    return (directory or cache_dir()) / f"backups_kernel-{key.hexdigest()[:20]}.so"
+
+
+def build(directory: Path | None = None) -> tuple[Path, bool, float | None]:
+    """Builds the library unless cached.
+
+    Returns:
+      ``(path, compiled, compile_s)``: ``compiled`` is False on a cache hit (then
+      ``compile_s`` is None).
+
+    Raises:
+      NativeUnavailable: no compiler, an unwritable cache directory or a failed compile (the
+        message ends with the compiler's stderr tail).
+    """
+    cxx = find_compiler()
+    path = library_path(cxx, directory)
+    if path.exists():
+        return path, False, None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
+        os.close(fd)
+    except OSError as e:
+        raise NativeUnavailable(f"cache directory {path.parent} not writable: {e}") from None
+    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise NativeUnavailable(f"{' '.join(cmd)} failed (exit {proc.returncode}): "
+                                    f"{proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeUnavailable(f"{' '.join(cmd)} failed: {e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path, True, time.perf_counter() - t0
+
+
+def _load_and_register() -> Status:
+    t0 = time.perf_counter()
+    try:
+        path, compiled, compile_s = build()
+        lib = ctypes.CDLL(str(path))
+        for name, symbol in TARGETS.values():
+            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except (NativeUnavailable, OSError, AttributeError) as e:
+        return Status(available=False, reason=str(e))
+    return Status(available=True, library=str(path), compiled=compiled, compile_s=compile_s,
+                  load_s=time.perf_counter() - t0)
+
+
+def status() -> Status:
+    """Builds (or finds cached), loads and registers the kernel once per process."""
+    global _status
+    with _lock:
+        if _status is None:
+            _status = _load_and_register()
+        return _status
+
+
+def available() -> bool:
+    return status().available
+
+
+def require() -> Status:
+    """:func:`status`, raising :class:`NativeUnavailable` with the reason if unavailable."""
+    st = status()
+    if not st.available:
+        raise NativeUnavailable(f"the native backup kernel is unavailable: {st.reason}")
+    return st
+
+
+# ----------------------------------------------------------------------------------------------
+# JAX wrappers. Calls are not partitioned (one device) and vmap runs them one at a time.
+
+
+def spans(dp_mask: jax.Array, step_mask: jax.Array) -> jax.Array:
+    """Valid-prefix length of every response.
+
+    Args:
+      dp_mask: ``[S, B, N, K]`` bool.
+      step_mask: ``[S, B]`` bool; the validity is ``dp_mask & step_mask``.
+
+    Returns:
+      ``[S, B, N]`` int32: ``K_{s,b,i}`` if the valid tokens are exactly ``k < K_{s,b,i}``
+      (0 for an unplayed step or an empty response), else -1 (then >= 1 valid token).
+    """
+    require()
+    s_, b_, n_, _ = dp_mask.shape
+    call = jax.ffi.ffi_call(TARGETS["spans"][0], jax.ShapeDtypeStruct((s_, b_, n_), jnp.int32),
+                            vmap_method="sequential")
+    return call(dp_mask.astype(bool), step_mask.astype(bool))
+
+
+def gae(reward, value, dp_mask, span, chunk_link, value_end, *, gamma, lam,
+        independent: bool, max_width: int = 0) -> tuple[jax.Array, jax.Array]:
+    """Advantages and returns of the §6c recurrence in one fused pass.
+
+    Args:
+      reward, value: ``[S, B, N, K]`` float32 (entries off valid points are never read on
+        prefix responses and never combined on the others: NaN there is harmless).
+      dp_mask: ``[S, B, N, K]`` bool, read only where ``span == -1``.
+      span: ``[S, B, N]`` int32 from :func:`spans`.
+      chunk_link: ``[S, B, N]`` float32, link factor at each response's last valid token.
+      value_end: ``[B]`` (chained) or ``[B*N]`` (independent, row ``b*N + i``) float32.
+      gamma, lam: discount and GAE lambda (Python floats or scalar arrays).
+      independent: each agent's own sequence over steps instead of the chained order.
+      max_width: cap on the vector width of the prefix path (4, 8 = AVX2, 16 = AVX-512; the
+        widest the CPU supports below the cap is used); 0 = no cap. For tests.
+
+    Returns:
+      ``(advantages, returns)``, ``[S, B, N, K]`` float32, zero off valid points.
+    """
+    require()
+    out = jax.ShapeDtypeStruct(value.shape, jnp.float32)
+    call = jax.ffi.ffi_call(TARGETS["gae"][0], (out, out), vmap_method="sequential")
+    f32 = jnp.float32
+    return call(reward.astype(f32), value.astype(f32), dp_mask.astype(bool), span.astype(jnp.int32),
+                chunk_link.astype(f32), value_end.astype(f32), jnp.asarray(gamma, f32),
+                jnp.asarray(lam, f32), independent=np.int32(bool(independent)),
+                max_width=np.int32(max_width))
