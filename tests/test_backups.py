@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -410,35 +411,125 @@ def test_native_matches_blocked_at_bench_shape(lengths):
 @pytest.mark.parametrize("width", [4, 8, 16])
 def test_native_vector_widths_match_scan(width):
     """Each vector path of the kernel (capped width; the CPU may lack the wider ones) against
-    the scan recurrence, fed the same link factors and end values."""
+    the scan implementation, chained (both semantics) and independent."""
     skip_unless_native()
-    s_, b_, n_, k_ = 2, 5, 3, 45
+    s_, b_, n_, k_ = 3, 5, 3, 45
     rng = np.random.default_rng(width)
     lengths = rng.integers(0, k_ + 1, size=(s_, b_, n_))
     dp = np.arange(k_) < lengths[..., None]
     dp[0, 0, 1] = rng.random(k_) < 0.5                           # one response with holes
     step_mask = np.ones((s_, b_), bool)
-    step_mask[1, 3] = False
+    step_mask[2, 3] = False
+    terminal = rng.random((s_, b_)) < 0.4
+    truncated = rng.random((s_, b_)) < 0.5
     valid = dp & step_mask[:, :, None, None]
     reward = np.where(valid, rng.normal(size=dp.shape), np.nan).astype(np.float32)
     value = np.where(valid, rng.normal(size=dp.shape), np.nan).astype(np.float32)
-    link = rng.choice(np.float32([0.0, 0.5, 1.0]), size=(s_, b_, n_))
-    for independent in (False, True):
-        v_end = rng.normal(size=b_ * n_ if independent else b_).astype(np.float32)
-        span = native.spans(jnp.asarray(dp), jnp.asarray(step_mask))
-        adv, ret = native.gae(jnp.asarray(reward), jnp.asarray(value), jnp.asarray(dp), span,
-                              jnp.asarray(link), jnp.asarray(v_end), gamma=0.97, lam=0.9,
-                              independent=independent, max_width=width)
-        tm = functools.partial(layout.time_major_agent_sequences if independent
-                               else layout.time_major_decisions, level="token")
-        last = np.asarray(backups._last_valid(jnp.asarray(valid)))
-        link_tok = np.where(last, link[..., None], 1.0)
-        want = backups.gae_time_major(tm(reward), tm(value), tm(valid), tm(link_tok), v_end,
-                                      gamma=0.97, lam=0.9, impl="scan")
-        want = np.asarray(want)
-        np.testing.assert_allclose(np.asarray(tm(adv)), want, atol=1e-5, rtol=1e-5)
-        np.testing.assert_allclose(np.asarray(tm(ret)), np.where(tm(valid), want + tm(value), 0),
-                                   atol=1e-5, rtol=1e-5)
+    args = (reward, value, dp, step_mask, terminal, truncated)
+    for independent, ref in ((False, False), (False, True), (True, False)):
+        v_boot = rng.normal(size=(b_, n_) if independent else b_).astype(np.float32)
+        got = native.backup(*args, v_boot.reshape(-1), gamma=0.97, lam=0.9,
+                            independent=independent, reference_semantics=ref, max_width=width)
+        if independent:
+            want = run("independent_gae", *args, v_boot, impl="scan", gamma=0.97, lam=0.9)
+        else:
+            want = run("token_level_gae", *args, v_boot, impl="scan", reference_semantics=ref,
+                       gamma=0.97, lam=0.9)
+        for w, g in zip(want, got):
+            np.testing.assert_allclose(np.asarray(g), w, atol=1e-5, rtol=1e-5)
+
+
+def _end_cases():
+    """Rows hitting each branch of the link/bootstrap logic ([S, B] = [4, 9], N = 3, K = 5)."""
+    s_, b_, n_, k_ = 4, 9, 3, 5
+    lengths = np.full((s_, b_, n_), 3)
+    sm = np.ones((s_, b_), bool)
+    term = np.zeros((s_, b_), bool)
+    trunc = np.zeros((s_, b_), bool)
+    term[1, 0] = True; lengths[1, 0] = 0                # terminal step without valid points,
+    lengths[0, 0, 2] = 0                                #   last agent of step 0 empty
+    term[3, 1] = True; lengths[3, 1] = 0                # ... at the end of the row
+    term[1, 2] = term[2, 2] = True; lengths[2, 2] = 0   # two terminal steps in a row
+    lengths[1, 2, 1:] = 0
+    sm[2:, 3] = False; term[1, 3] = trunc[1, 3] = True  # truncated and terminal at s*
+    sm[2:, 4] = False; trunc[1, 4] = True               # truncated at s* (bootstrap)
+    sm[:, 5] = False; trunc[0, 5] = True                # nothing played
+    sm[3, 6] = False; lengths[:3, 6] = 0; trunc[2, 6] = True   # played, no valid point
+    trunc[1, 7] = True; term[2, 7] = True               # truncated before the end (ignored)
+    term[0, 8] = True; lengths[1, 8, 0] = 0             # episode reset, first agent empty
+    dp = np.arange(k_) < lengths[..., None]
+    rng = np.random.default_rng(0)
+    valid = dp & sm[:, :, None, None]
+    reward = np.where(valid, rng.normal(size=dp.shape), np.nan).astype(np.float32)
+    value = np.where(valid, rng.normal(size=dp.shape), np.nan).astype(np.float32)
+    return reward, value, dp, sm, term, trunc
+
+
+@pytest.mark.parametrize("level", ["token", "action"])
+def test_native_link_and_bootstrap_branches(level):
+    """Terminal steps without valid points (mid-row and last), truncated-and-terminal,
+    unplayed steps, rows with nothing played or no valid point: native against ``blocked``,
+    ``scan`` and the oracles, both semantics and independent."""
+    reward, value, dp, sm, term, trunc = _end_cases()
+    if level == "action":
+        reward, value, dp = reward[..., 0], value[..., 0], dp[..., 0]
+    fn = f"{level}_level_gae"
+    oracle = getattr(backups_reference, f"{level}_level_gae_reference")
+    args = (reward, value, dp, sm, term, trunc)
+    b_, n_ = sm.shape[1], dp.shape[2]
+    v_boot = np.linspace(-1.0, 1.0, b_).astype(np.float32)
+    for ref in (False, True):
+        got = run(fn, *args, v_boot, impl="native", reference_semantics=ref, gamma=0.9, lam=0.8)
+        for impl in ("blocked", "scan"):
+            want = run(fn, *args, v_boot, impl=impl, reference_semantics=ref, gamma=0.9, lam=0.8)
+            for w, g in zip(want, got):
+                assert np.all(np.isfinite(g))
+                np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+    clean = tuple(np.nan_to_num(x) for x in (reward, value))
+    want = oracle(*clean, *args[2:], v_boot, gamma=0.9, lam=0.8)
+    got = run(fn, *args, v_boot, impl="native", gamma=0.9, lam=0.8)
+    for w, g in zip(want, got):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+    v_boot = np.linspace(-1.0, 1.0, b_ * n_).astype(np.float32).reshape(b_, n_)
+    got = run("independent_gae", *args, v_boot, impl="native", gamma=0.9, lam=0.8)
+    want_i = backups_reference.independent_gae_reference(*clean, *args[2:], v_boot,
+                                                         gamma=0.9, lam=0.8)
+    for impl in ("blocked", "scan"):
+        want = run("independent_gae", *args, v_boot, impl=impl, gamma=0.9, lam=0.8)
+        for w, g in zip(want, got):
+            np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+    for w, g in zip(want_i, got):
+        np.testing.assert_allclose(g, w, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("fn_name,level,cast", [("token_level_gae", "token", False),
+                                               ("action_level_gae", "action", False),
+                                               ("independent_gae", "token", False),
+                                               ("token_level_gae", "token", True)])
+def test_native_program_is_one_custom_call(fn_name, level, cast):
+    """The jitted native backup compiles to the FFI call alone (no fusion or other compute),
+    so XLA's CPU runtime runs it inline; any JAX glue around it would regress that."""
+    skip_unless_native()
+    s_, b_, n_, k_ = 2, 3, 2, 4
+    tok = (s_, b_, n_, k_) if level == "token" else (s_, b_, n_)
+    fdt = jnp.bfloat16 if cast else jnp.float32     # a non-float32 input adds only its convert
+    v_boot = (b_, n_) if fn_name == "independent_gae" else (b_,)
+    args = (jax.ShapeDtypeStruct(tok, fdt), jax.ShapeDtypeStruct(tok, fdt),
+            jax.ShapeDtypeStruct(tok, bool), *[jax.ShapeDtypeStruct((s_, b_), bool)] * 3,
+            jax.ShapeDtypeStruct(v_boot, jnp.float32))
+    fn = jax.jit(functools.partial(getattr(backups, fn_name), impl="native", gamma=0.99,
+                                   lam=0.95))
+    hlo = fn.lower(*args).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    # "%name = <shape or (tuple shape)> opcode(operands), ..."
+    ops = [m.group(1) for m in re.finditer(r"%\S+ = (?:\([^)]*\)|\S+) ([a-z][a-z0-9-]*)\(",
+                                           entry)]
+    allowed = {"parameter", "constant", "custom-call", "get-tuple-element", "tuple", "bitcast"}
+    if cast:
+        allowed |= {"convert", "fusion"}          # the casts of reward and value only
+        assert ops.count("convert") + ops.count("fusion") <= 2, entry
+    assert ops.count("parameter") == 7 and ops.count("custom-call") == 1, entry
+    assert set(ops) <= allowed, entry
 
 
 def test_native_auto_and_cache():

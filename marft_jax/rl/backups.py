@@ -56,13 +56,15 @@ Implementations (``impl``), all float32 and equal up to float rounding:
   right-padded responses (``dp_mask[..., k] = k < K_{s,b,i}``, the layout contract); it reads
   ``K_{s,b,i} = sum_k dp_mask``. The fastest pure-XLA implementation on CPU.
 * ``"native"``: a fused C++ kernel through the XLA FFI (:mod:`marft_jax.rl.native`), CPU
-  only: one reverse pass per row directly on the ``[S, B, N, K]`` layout writing advantages
-  and returns together (right-padded responses take a vectorised path that never reads past
-  the last valid token; any other ``dp_mask`` a point-by-point masked path). Built with the
-  system C++ compiler at first use and cached; unavailable without a compiler (selecting it
-  then raises, naming the reason). The ``[S, B, N]``-sized logic (link factors, bootstrap)
-  stays in JAX. The call is not partitioned (with several devices it runs on gathered
-  inputs), not differentiable, and ``vmap`` runs it once per batch element.
+  only: the whole backup in one custom call on the raw inputs (validity, link factors and
+  bootstrap as below, then one reverse pass per row directly on the ``[S, B, N, K]`` layout
+  writing advantages and returns together; right-padded responses take a vectorised path
+  that never reads past the last valid token, any other ``dp_mask`` a point-by-point masked
+  path). The jitted program is that one call (plus reshapes), so XLA's CPU runtime runs it
+  inline rather than on a worker thread. Built with the system C++ compiler at first use and
+  cached; unavailable without a compiler (selecting it then raises, naming the reason). The
+  call is not partitioned (with several devices it runs on gathered inputs), not
+  differentiable, and ``vmap`` runs it once per batch element.
 * ``"auto"`` (default): ``"native"`` when the default backend is CPU with a single device and
   the kernel is available; otherwise ``"blocked"`` on CPU, ``"associative"`` elsewhere.
 
@@ -382,35 +384,31 @@ def _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level)
 
 
 class _Points(NamedTuple):
-    """Token-shaped inputs of a backup (action level gets a K = 1 axis).
-
-    ``mask``/``length`` depend on the implementation: for the XLA ones the validity
-    ``dp_mask & step_mask`` and its count per response; for ``"native"`` the raw ``dp_mask``
-    and :func:`marft_jax.rl.native.spans` (prefix length, -1 for a non-prefix response).
-    """
+    """Token-shaped inputs of an XLA backup (action level gets a K = 1 axis)."""
 
     r: jax.Array            # [S, B, N, K] float32, garbage off valid points
     v: jax.Array            # [S, B, N, K] float32, garbage off valid points
-    mask: jax.Array         # [S, B, N, K] bool
-    length: jax.Array       # [S, B, N] int32
+    valid: jax.Array        # [S, B, N, K] bool, dp_mask & step_mask
+    length: jax.Array       # [S, B, N] int32, valid points per response
     has: jax.Array          # [S, B, N] bool, the response has >= 1 valid point
     step_mask: jax.Array    # [S, B] bool
     terminal: jax.Array     # [S, B] bool, masked by step_mask
 
 
-def _prepare(reward, value, dp_mask, step_mask, terminal, impl) -> _Points:
-    """Float32 token-shaped copies, masked terminal and per-response lengths (``impl`` resolved)."""
-    expand = (lambda x: x[..., None]) if value.ndim == 3 else (lambda x: x)
+def _tokens(x: jax.Array) -> jax.Array:
+    """``[S, B, N]`` (action level) -> ``[S, B, N, 1]``; token-level arrays unchanged."""
+    return x[..., None] if x.ndim == 3 else x
+
+
+def _prepare(reward, value, dp_mask, step_mask, terminal) -> _Points:
+    """Float32 token-shaped copies, masked terminal and per-response lengths (XLA impls)."""
     step_mask = step_mask.astype(bool)
     terminal = jnp.logical_and(terminal.astype(bool), step_mask)
-    dp = expand(dp_mask.astype(bool))
+    dp = _tokens(dp_mask.astype(bool))
     # Not masked here: every implementation selects with the validity mask where it reads
     # them (pads may hold garbage, even NaN).
-    r = expand(reward.astype(jnp.float32))
-    v = expand(value.astype(jnp.float32))
-    if impl == "native":
-        span = native.spans(dp, step_mask)
-        return _Points(r, v, dp, span, span != 0, step_mask, terminal)
+    r = _tokens(reward.astype(jnp.float32))
+    v = _tokens(value.astype(jnp.float32))
     valid = jnp.logical_and(dp, step_mask[:, :, None, None])
     length = jnp.sum(valid, axis=-1, dtype=jnp.int32)               # [S, B, N] valid points
     return _Points(r, v, valid, length, length > 0, step_mask, terminal)
@@ -426,14 +424,20 @@ def _row_end(step_mask, terminal, truncated, reference_semantics):
 
 
 def _solve(pts: _Points, chunk_link, v_end, *, independent, gamma, lam, impl, unroll):
-    """Dispatch to an implementation (``impl`` resolved). Returns token-shaped (adv, ret)."""
-    r, v, valid, length = pts.r, pts.v, pts.mask, pts.length
-    if impl == "native":
-        return native.gae(r, v, valid, length, chunk_link, v_end, gamma=gamma, lam=lam,
-                          independent=independent)
+    """An XLA implementation (``impl`` resolved). Returns token-shaped (adv, ret)."""
+    r, v, valid, length = pts.r, pts.v, pts.valid, pts.length
     adv = _solve_xla(r, v, valid, length, chunk_link, v_end, independent=independent,
                      gamma=gamma, lam=lam, impl=impl, unroll=unroll)
     return adv, jnp.where(valid, adv + v, 0.0)
+
+
+def _native(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, *, independent,
+            reference_semantics, gamma, lam) -> Backup:
+    """``impl="native"``: the whole backup as one fused call (token-shaped, then reshaped)."""
+    adv, ret = native.backup(_tokens(reward), _tokens(value), _tokens(dp_mask), step_mask,
+                             terminal, truncated, v_boot, gamma=gamma, lam=lam,
+                             independent=independent, reference_semantics=reference_semantics)
+    return Backup(adv.reshape(value.shape), ret.reshape(value.shape))
 
 
 def _solve_xla(r, v, valid, length, chunk_link, v_end, *, independent, gamma, lam, impl, unroll):
@@ -504,7 +508,11 @@ def marft_gae(
     dims = _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level)
     layout.assert_layout(v_boot, "v_boot", (layout.BATCH,), sizes=dims)
     impl = resolve_impl(impl)
-    pts = _prepare(reward, value, dp_mask, step_mask, terminal, impl)
+    if impl == "native":
+        return _native(reward, value, dp_mask, step_mask, terminal, truncated, v_boot,
+                       independent=False, reference_semantics=reference_semantics,
+                       gamma=gamma, lam=lam)
+    pts = _prepare(reward, value, dp_mask, step_mask, terminal)
     chunk_link = _marft_chunk_links(pts.has, pts.terminal, reference_semantics)
     use_boot = _row_end(pts.step_mask, pts.terminal, truncated.astype(bool), reference_semantics)
     v_end = jnp.where(use_boot, v_boot.astype(jnp.float32), 0.0)
@@ -593,7 +601,11 @@ def independent_gae(
     dims = _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level)
     layout.assert_layout(v_boot, "v_boot", (layout.BATCH, layout.AGENT), sizes=dims)
     impl = resolve_impl(impl)
-    pts = _prepare(reward, value, dp_mask, step_mask, terminal, impl)
+    if impl == "native":
+        return _native(reward, value, dp_mask, step_mask, terminal, truncated,
+                       v_boot.reshape(-1), independent=True, reference_semantics=False,
+                       gamma=gamma, lam=lam)
+    pts = _prepare(reward, value, dp_mask, step_mask, terminal)
     has, terminal = pts.has, pts.terminal                               # [S, B, N], [S, B]
     cut = jnp.logical_and(has, _step_cuts(has, terminal[:, :, None]))   # per agent sequence
     chunk_link = jnp.where(cut, 0.0, 1.0).astype(jnp.float32)

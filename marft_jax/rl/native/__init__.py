@@ -1,8 +1,12 @@
 """Fused native CPU kernel for the Bellman backups, through the XLA FFI.
 
-``backups_kernel.cc`` (next to this file) holds two FFI handlers: ``spans`` (per response, the
-length of its valid prefix, or -1 when the validity is not a prefix) and ``gae`` (advantages
-and returns in one reverse pass per row on the ``[S, B, N, K]`` layout). The library is built
+``backups_kernel.cc`` (next to this file) holds one FFI handler computing a whole backup from
+the raw inputs: validity (``dp_mask & step_mask``), per-response valid prefixes, the link
+factors (terminal cuts, ``reference_semantics`` quirk #10), the row-end bootstrap value and
+the advantages and returns, in one reverse pass per row on the ``[S, B, N, K]`` layout. The
+jitted program of a native backup is therefore this one custom call (reshapes aside), which
+XLA's CPU runtime executes inline on the calling thread instead of dispatching it to a worker
+(it would for a program with enough other ops). The library is built
 lazily, at the first :func:`status` call, with the system C++ compiler (``$CXX``, else ``c++``,
 ``g++`` or ``clang++``) into a per-user cache (``$MARFT_JAX_CACHE``, else
 ``$XDG_CACHE_HOME/marft_jax``, else ``~/.cache/marft_jax``) under a name keyed by the source,
@@ -36,8 +40,7 @@ import numpy as np
 
 SOURCE = Path(__file__).with_name("backups_kernel.cc")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast", "-Wno-psabi")
-TARGETS = {"spans": ("marft_backup_spans", "MarftBackupSpans"),
-           "gae": ("marft_backup_gae", "MarftBackupGae")}
+TARGETS = {"backup": ("marft_backup", "MarftBackup")}
 
 
 class NativeUnavailable(RuntimeError):
@@ -186,37 +189,21 @@ def require() -> Status:
 # JAX wrappers. Calls are not partitioned (one device) and vmap runs them one at a time.
 
 
-def spans(dp_mask: jax.Array, step_mask: jax.Array) -> jax.Array:
-    """Valid-prefix length of every response.
+def backup(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, *, gamma, lam,
+           independent: bool, reference_semantics: bool = False,
+           max_width: int = 0) -> tuple[jax.Array, jax.Array]:
+    """A whole backup of :mod:`marft_jax.rl.backups` in one fused call (semantics there).
 
     Args:
-      dp_mask: ``[S, B, N, K]`` bool.
-      step_mask: ``[S, B]`` bool; the validity is ``dp_mask & step_mask``.
-
-    Returns:
-      ``[S, B, N]`` int32: ``K_{s,b,i}`` if the valid tokens are exactly ``k < K_{s,b,i}``
-      (0 for an unplayed step or an empty response), else -1 (then >= 1 valid token).
-    """
-    require()
-    s_, b_, n_, _ = dp_mask.shape
-    call = jax.ffi.ffi_call(TARGETS["spans"][0], jax.ShapeDtypeStruct((s_, b_, n_), jnp.int32),
-                            vmap_method="sequential")
-    return call(dp_mask.astype(bool), step_mask.astype(bool))
-
-
-def gae(reward, value, dp_mask, span, chunk_link, value_end, *, gamma, lam,
-        independent: bool, max_width: int = 0) -> tuple[jax.Array, jax.Array]:
-    """Advantages and returns of the §6c recurrence in one fused pass.
-
-    Args:
-      reward, value: ``[S, B, N, K]`` float32 (entries off valid points are never read on
-        prefix responses and never combined on the others: NaN there is harmless).
-      dp_mask: ``[S, B, N, K]`` bool, read only where ``span == -1``.
-      span: ``[S, B, N]`` int32 from :func:`spans`.
-      chunk_link: ``[S, B, N]`` float32, link factor at each response's last valid token.
-      value_end: ``[B]`` (chained) or ``[B*N]`` (independent, row ``b*N + i``) float32.
+      reward, value: ``[S, B, N, K]`` float (cast to float32 unless already); entries off
+        valid points are never read on right-padded responses and never combined on the
+        others: NaN there is harmless.
+      dp_mask: ``[S, B, N, K]`` bool; the validity is ``dp_mask & step_mask``.
+      step_mask, terminal, truncated: ``[S, B]`` bool.
+      v_boot: ``[B]`` (chained) or ``[B*N]`` (independent, row ``b*N + i``) float.
       gamma, lam: discount and GAE lambda (Python floats or scalar arrays).
       independent: each agent's own sequence over steps instead of the chained order.
+      reference_semantics: G1's quirk #10 links and bootstrap (chained only).
       max_width: cap on the vector width of the prefix path (4, 8 = AVX2, 16 = AVX-512; the
         widest the CPU supports below the cap is used); 0 = no cap. For tests.
 
@@ -224,10 +211,15 @@ def gae(reward, value, dp_mask, span, chunk_link, value_end, *, gamma, lam,
       ``(advantages, returns)``, ``[S, B, N, K]`` float32, zero off valid points.
     """
     require()
-    out = jax.ShapeDtypeStruct(value.shape, jnp.float32)
-    call = jax.ffi.ffi_call(TARGETS["gae"][0], (out, out), vmap_method="sequential")
+    if independent and reference_semantics:
+        raise ValueError("reference_semantics applies to the chained backup only")
     f32 = jnp.float32
-    return call(reward.astype(f32), value.astype(f32), dp_mask.astype(bool), span.astype(jnp.int32),
-                chunk_link.astype(f32), value_end.astype(f32), jnp.asarray(gamma, f32),
+    as_f32 = lambda x: x if x.dtype == f32 else x.astype(f32)
+    as_bool = lambda x: x if x.dtype == jnp.bool_ else x.astype(bool)
+    out = jax.ShapeDtypeStruct(value.shape, f32)
+    call = jax.ffi.ffi_call(TARGETS["backup"][0], (out, out), vmap_method="sequential")
+    return call(as_f32(reward), as_f32(value), as_bool(dp_mask), as_bool(step_mask),
+                as_bool(terminal), as_bool(truncated), as_f32(v_boot), jnp.asarray(gamma, f32),
                 jnp.asarray(lam, f32), independent=np.int32(bool(independent)),
+                reference_semantics=np.int32(bool(reference_semantics)),
                 max_width=np.int32(max_width))

@@ -1,4 +1,6 @@
-// Fused CPU kernel for the masked reverse GAE recurrence of marft_jax.rl.backups (XLA FFI).
+// Fused CPU kernel for the Bellman backups of marft_jax.rl.backups (XLA FFI): the whole
+// backup (validity, link factors, bootstrap, masked reverse GAE) in one custom call, so the
+// jitted program is this call alone and XLA runs it inline on the calling thread.
 //
 // Layout: token-shaped arrays are [S, B, N, K] row-major (step, batch, agent, token); one
 // "response" is the K contiguous tokens of (s, b, i). A row (one sequence of decision points)
@@ -10,14 +12,23 @@
 //   delta_p = r_p + gamma c_p nv - v_p,   A_p = delta_p + gamma lam c_p na,
 //   adv_p = A_p, ret_p = A_p + v_p, then nv = v_p, na = A_p;
 // invalid points get adv = ret = 0 and leave the carry alone. c_p is the response's
-// chunk_link at its last valid token, 1 elsewhere.
+// chunk link at its last valid token, 1 elsewhere.
 //
-// Two handlers:
-//   marft_backup_spans: per response, K_{s,b,i} if the validity dp & step_mask is a prefix
-//     (right-padded, the layout contract), else -1 (then it has >= 1 valid point).
-//   marft_backup_gae: advantages and returns. Prefix responses take a vectorised path that
-//     never reads the mask or anything past the last valid token (pads may hold NaN); any
-//     other response takes a scalar path that selects on the mask point by point.
+// Per-response logic, mirroring backups.py (_prepare, _marft_chunk_links, _step_cuts,
+// _row_end, independent_gae), with t_s = terminal_s & step_mask_s:
+// * validity = dp_mask & step_mask; span = K' if the validity is the prefix k < K'
+//   (right-padded, the layout contract; 0 for an unplayed step), else -1 (>= 1 valid point).
+// * cuts_s = t_s | (no valid point in step s+1 & cuts_{s+1}), cuts_{S-1} = t_{S-1} ("step" =
+//   the row's responses of step s: all N agents chained, the row's agent independent). The
+//   last response of step s with a valid point gets c = 0 iff cuts_s.
+// * reference_semantics (chained only, quirk #10): c = 0 also for agents i < N-1 with a valid
+//   point at a step s >= 1 with t_{s-1}.
+// * v_end = v_boot[row] iff the row's last played step s* exists and (reference_semantics ?
+//   !t_{s*} : truncated_{s*} & !t_{s*}); else 0.
+//
+// Prefix responses take a vectorised path that never reads the mask or anything past the last
+// valid token (pads may hold NaN); any other response takes a scalar path that selects on the
+// mask point by point.
 //
 // The vectorised path, for a response of length L, works on blocks of W tokens (W = 16 with
 // AVX-512F, 8 with AVX2+FMA, else 4; picked at run time, capped by the max_width attribute,
@@ -155,17 +166,45 @@ struct Consts {
 struct Problem {
   const float* r;
   const float* v;
-  const bool* mask;         // dp_mask (only read for non-prefix responses)
-  const int32_t* span;      // [S, B, N]
-  const float* link;        // [S, B, N]
-  const float* v_end;       // [rows]
+  const bool* mask;         // dp_mask [S, B, N, K]
+  const bool* step_mask;    // [S, B]
+  const bool* terminal;     // [S, B]
+  const bool* truncated;    // [S, B]
+  const float* v_boot;      // [rows]
   float* adv;
   float* ret;
   int64_t S, B, N, K;
   float gamma, gl;
   bool independent;
+  bool reference_semantics;
   int width;                // vector width of the prefix path (PickWidth)
 };
+
+// Valid-prefix length of a played response's K mask bytes: K' if the valid tokens are exactly
+// k < K', else -1 (then it has >= 1 valid token).
+MARFT_INLINE int64_t Span(const bool* mask, int64_t K) {
+  const unsigned char* x = reinterpret_cast<const unsigned char*>(mask);
+  const void* zero = std::memchr(x, 0, static_cast<size_t>(K));
+  const int64_t len = zero ? static_cast<const unsigned char*>(zero) - x : K;
+  unsigned char rest = 0;
+  for (int64_t k = len; k < K; ++k) rest |= x[k];
+  return rest ? -1 : len;
+}
+
+// V of the row's virtual end point (see the header).
+MARFT_INLINE float EndValue(const Problem& p, int64_t b, int64_t row) {
+  int64_t s_star = -1;
+  for (int64_t s = p.S - 1; s >= 0; --s) {
+    if (p.step_mask[s * p.B + b]) {
+      s_star = s;
+      break;
+    }
+  }
+  if (s_star < 0) return 0.f;
+  const int64_t sb = s_star * p.B + b;
+  const bool boot = !p.terminal[sb] && (p.reference_semantics || p.truncated[sb]);
+  return boot ? p.v_boot[row] : 0.f;
+}
 
 // Any mask: select point by point (invalid entries are never combined arithmetically).
 MARFT_INLINE void ResponseMasked(const Problem& p, int64_t off, float c, float& nv, float& na) {
@@ -291,20 +330,36 @@ template <class V>
 MARFT_INLINE void SolveRows(const Problem& p, int64_t row0, int64_t row1) {
   const Consts<V> cs(p.gamma, p.gl);
   const int64_t agents = p.independent ? 1 : p.N;
+  const bool quirk = p.reference_semantics && !p.independent;
   for (int64_t row = row0; row < row1; ++row) {
     const int64_t b = p.independent ? row / p.N : row;
     const int64_t first_agent = p.independent ? row % p.N : 0;
-    float nv = p.v_end[row], na = 0.f;
+    float nv = EndValue(p, b, row), na = 0.f;
+    bool pending = false;              // no valid point in step s+1 and cuts_{s+1}
     for (int64_t s = p.S - 1; s >= 0; --s) {
+      const int64_t sb = s * p.B + b;
+      const bool played = p.step_mask[sb];
+      const bool cut = (played && p.terminal[sb]) || pending;      // cuts_s
+      const bool after_terminal =
+          quirk && s >= 1 && p.step_mask[sb - p.B] && p.terminal[sb - p.B];
+      bool seen = false;               // a later response of this step has a valid point
       for (int64_t j = agents - 1; j >= 0; --j) {
-        const int64_t idx = (s * p.B + b) * p.N + first_agent + j;
-        const int32_t len = p.span[idx];
+        const int64_t agent = first_agent + j;
+        const int64_t idx = sb * p.N + agent;
+        const int64_t len = played ? Span(p.mask + idx * p.K, p.K) : 0;
+        float c = 1.f;
+        if (len != 0) {
+          if (!seen && cut) c = 0.f;
+          if (after_terminal && agent < p.N - 1) c = 0.f;
+          seen = true;
+        }
         if (len >= 0) {
-          ResponsePrefix<V>(p, cs, idx * p.K, len, p.link[idx], nv, na);
+          ResponsePrefix<V>(p, cs, idx * p.K, len, c, nv, na);
         } else {
-          ResponseMasked(p, idx * p.K, p.link[idx], nv, na);
+          ResponseMasked(p, idx * p.K, c, nv, na);
         }
       }
+      pending = cut && !seen;
     }
   }
 }
@@ -356,94 +411,59 @@ bool SameDims(ffi::Span<const int64_t> a, ffi::Span<const int64_t> b) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Handlers.
+// Handler.
 
-ffi::Error SpansImpl(ffi::Buffer<ffi::PRED> dp, ffi::Buffer<ffi::PRED> step_mask,
-                     ffi::ResultBuffer<ffi::S32> span) {
-  const auto d = dp.dimensions();
-  if (d.size() != 4) return ffi::Error::InvalidArgument("spans: dp_mask must be [S, B, N, K]");
-  const int64_t S = d[0], B = d[1], N = d[2], K = d[3];
-  const auto sd = step_mask.dimensions();
-  if (sd.size() != 2 || sd[0] != S || sd[1] != B) {
-    return ffi::Error::InvalidArgument("spans: step_mask must be [S, B]");
-  }
-  const auto od = span->dimensions();
-  if (od.size() != 3 || od[0] != S || od[1] != B || od[2] != N) {
-    return ffi::Error::InvalidArgument("spans: output must be [S, B, N]");
-  }
-  if (K > INT32_MAX) return ffi::Error::InvalidArgument("spans: K does not fit int32");
-  const unsigned char* m = reinterpret_cast<const unsigned char*>(dp.typed_data());
-  const bool* sm = step_mask.typed_data();
-  int32_t* out = span->typed_data();
-  for (int64_t sb = 0; sb < S * B; ++sb) {
-    for (int64_t i = 0; i < N; ++i) {
-      const int64_t idx = sb * N + i;
-      if (!sm[sb]) {
-        out[idx] = 0;
-        continue;
-      }
-      const unsigned char* x = m + idx * K;
-      const void* zero = std::memchr(x, 0, static_cast<size_t>(K));
-      const int64_t len = zero ? static_cast<const unsigned char*>(zero) - x : K;
-      unsigned char rest = 0;
-      for (int64_t k = len; k < K; ++k) rest |= x[k];
-      out[idx] = rest ? -1 : static_cast<int32_t>(len);
-    }
-  }
-  return ffi::Error::Success();
-}
-
-ffi::Error GaeImpl(ffi::Buffer<ffi::F32> reward, ffi::Buffer<ffi::F32> value,
-                   ffi::Buffer<ffi::PRED> dp, ffi::Buffer<ffi::S32> span,
-                   ffi::Buffer<ffi::F32> link, ffi::Buffer<ffi::F32> v_end,
-                   ffi::BufferR0<ffi::F32> gamma, ffi::BufferR0<ffi::F32> lam,
-                   int32_t independent, int32_t max_width, ffi::ResultBuffer<ffi::F32> adv,
-                   ffi::ResultBuffer<ffi::F32> ret) {
+ffi::Error BackupImpl(ffi::Buffer<ffi::F32> reward, ffi::Buffer<ffi::F32> value,
+                      ffi::Buffer<ffi::PRED> dp, ffi::Buffer<ffi::PRED> step_mask,
+                      ffi::Buffer<ffi::PRED> terminal, ffi::Buffer<ffi::PRED> truncated,
+                      ffi::Buffer<ffi::F32> v_boot, ffi::BufferR0<ffi::F32> gamma,
+                      ffi::BufferR0<ffi::F32> lam, int32_t independent,
+                      int32_t reference_semantics, int32_t max_width,
+                      ffi::ResultBuffer<ffi::F32> adv, ffi::ResultBuffer<ffi::F32> ret) {
   const auto d = value.dimensions();
-  if (d.size() != 4) return ffi::Error::InvalidArgument("gae: value must be [S, B, N, K]");
+  if (d.size() != 4) return ffi::Error::InvalidArgument("backup: value must be [S, B, N, K]");
   if (!SameDims(reward.dimensions(), d) || !SameDims(dp.dimensions(), d) ||
       !SameDims(adv->dimensions(), d) || !SameDims(ret->dimensions(), d)) {
-    return ffi::Error::InvalidArgument("gae: reward, dp_mask and outputs must match value");
+    return ffi::Error::InvalidArgument("backup: reward, dp_mask and outputs must match value");
   }
   const int64_t S = d[0], B = d[1], N = d[2], K = d[3];
-  const int64_t per_response[3] = {S, B, N};
-  if (!SameDims(span.dimensions(), ffi::Span<const int64_t>(per_response, 3)) ||
-      !SameDims(link.dimensions(), ffi::Span<const int64_t>(per_response, 3))) {
-    return ffi::Error::InvalidArgument("gae: span and chunk_link must be [S, B, N]");
+  const int64_t per_step[2] = {S, B};
+  const ffi::Span<const int64_t> sb(per_step, 2);
+  if (!SameDims(step_mask.dimensions(), sb) || !SameDims(terminal.dimensions(), sb) ||
+      !SameDims(truncated.dimensions(), sb)) {
+    return ffi::Error::InvalidArgument("backup: step_mask, terminal, truncated must be [S, B]");
   }
   const int64_t rows = independent ? B * N : B;
-  const auto ed = v_end.dimensions();
+  const auto ed = v_boot.dimensions();
   if (ed.size() != 1 || ed[0] != rows) {
-    return ffi::Error::InvalidArgument("gae: v_end must be [B] (chained) or [B*N] (independent)");
+    return ffi::Error::InvalidArgument(
+        "backup: v_boot must be [B] (chained) or [B*N] (independent)");
   }
   const float g = *gamma.typed_data();
-  const Problem p{reward.typed_data(), value.typed_data(), dp.typed_data(), span.typed_data(),
-                  link.typed_data(), v_end.typed_data(), adv->typed_data(), ret->typed_data(),
+  const Problem p{reward.typed_data(), value.typed_data(), dp.typed_data(),
+                  step_mask.typed_data(), terminal.typed_data(), truncated.typed_data(),
+                  v_boot.typed_data(), adv->typed_data(), ret->typed_data(),
                   S, B, N, K, g, g * *lam.typed_data(), independent != 0,
-                  PickWidth(max_width)};
+                  reference_semantics != 0, PickWidth(max_width)};
   Solve(p, 0, rows);
   return ffi::Error::Success();
 }
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MarftBackupSpans, SpansImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::PRED>>()    // dp_mask [S, B, N, K]
-                                  .Arg<ffi::Buffer<ffi::PRED>>()    // step_mask [S, B]
-                                  .Ret<ffi::Buffer<ffi::S32>>());   // span [S, B, N]
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(MarftBackupGae, GaeImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MarftBackup, BackupImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()     // reward [S, B, N, K]
                                   .Arg<ffi::Buffer<ffi::F32>>()     // value [S, B, N, K]
                                   .Arg<ffi::Buffer<ffi::PRED>>()    // dp_mask [S, B, N, K]
-                                  .Arg<ffi::Buffer<ffi::S32>>()     // span [S, B, N]
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // chunk_link [S, B, N]
-                                  .Arg<ffi::Buffer<ffi::F32>>()     // v_end [rows]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()    // step_mask [S, B]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()    // terminal [S, B]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()    // truncated [S, B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // v_boot [rows]
                                   .Arg<ffi::BufferR0<ffi::F32>>()   // gamma
                                   .Arg<ffi::BufferR0<ffi::F32>>()   // lam
                                   .Attr<int32_t>("independent")
+                                  .Attr<int32_t>("reference_semantics")
                                   .Attr<int32_t>("max_width")       // 0: widest supported
                                   .Ret<ffi::Buffer<ffi::F32>>()     // advantages
                                   .Ret<ffi::Buffer<ffi::F32>>());   // returns
