@@ -423,14 +423,6 @@ def _row_end(step_mask, terminal, truncated, reference_semantics):
     return jnp.logical_and(trunc_last, jnp.logical_not(term_last))
 
 
-def _solve(pts: _Points, chunk_link, v_end, *, independent, gamma, lam, impl, unroll):
-    """An XLA implementation (``impl`` resolved). Returns token-shaped (adv, ret)."""
-    r, v, valid, length = pts.r, pts.v, pts.valid, pts.length
-    adv = _solve_xla(r, v, valid, length, chunk_link, v_end, independent=independent,
-                     gamma=gamma, lam=lam, impl=impl, unroll=unroll)
-    return adv, jnp.where(valid, adv + v, 0.0)
-
-
 def _native(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, *, independent,
             reference_semantics, gamma, lam) -> Backup:
     """``impl="native"``: the whole backup as one fused call (token-shaped, then reshaped)."""
@@ -440,8 +432,9 @@ def _native(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, *, i
     return Backup(adv.reshape(value.shape), ret.reshape(value.shape))
 
 
-def _solve_xla(r, v, valid, length, chunk_link, v_end, *, independent, gamma, lam, impl, unroll):
-    """The XLA implementations. Inputs token-shaped ``[S, B, N, K]``; returns adv, same."""
+def _solve(pts: _Points, chunk_link, v_end, *, independent, gamma, lam, impl, unroll):
+    """An XLA implementation (``impl`` resolved). Returns token-shaped ``[S, B, N, K]`` (adv, ret)."""
+    r, v, valid, length = pts.r, pts.v, pts.valid, pts.length
     s_, _, n_, k_ = r.shape
     if impl == "blocked":
         if independent:
@@ -450,7 +443,8 @@ def _solve_xla(r, v, valid, length, chunk_link, v_end, *, independent, gamma, la
         else:
             to_c = lambda x: layout.time_major_decisions(x, "action")
             from_c = lambda x: layout.from_time_major_decisions(x, (s_, n_))
-        return _gae_blocked(r, v, length, chunk_link, v_end, to_c, from_c, gamma=gamma, lam=lam)
+        adv = _gae_blocked(r, v, length, chunk_link, v_end, to_c, from_c, gamma=gamma, lam=lam)
+        return adv, jnp.where(valid, adv + v, 0.0)
     link = jnp.where(_last_valid(valid), chunk_link[..., None], 1.0)
     if independent:
         tm = lambda x: layout.time_major_agent_sequences(x, "token")
@@ -458,9 +452,9 @@ def _solve_xla(r, v, valid, length, chunk_link, v_end, *, independent, gamma, la
     else:
         tm = lambda x: layout.time_major_decisions(x, "token")
         back = lambda x: layout.from_time_major_decisions(x, (s_, n_, k_))
-    adv = gae_time_major(tm(r), tm(v), tm(valid), tm(link), v_end,
-                         gamma=gamma, lam=lam, impl=impl, unroll=unroll)
-    return back(adv)
+    adv = back(gae_time_major(tm(r), tm(v), tm(valid), tm(link), v_end,
+                              gamma=gamma, lam=lam, impl=impl, unroll=unroll))
+    return adv, jnp.where(valid, adv + v, 0.0)
 
 
 # ----------------------------------------------------------------------------------------------

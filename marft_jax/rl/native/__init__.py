@@ -40,7 +40,7 @@ import numpy as np
 
 SOURCE = Path(__file__).with_name("backups_kernel.cc")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast", "-Wno-psabi")
-TARGETS = {"backup": ("marft_backup", "MarftBackup")}
+TARGET, SYMBOL = "marft_backup", "MarftBackup"     # FFI target name, exported handler
 
 
 class NativeUnavailable(RuntimeError):
@@ -156,8 +156,7 @@ def _load_and_register() -> Status:
     try:
         path, compiled, compile_s = build()
         lib = ctypes.CDLL(str(path))
-        for name, symbol in TARGETS.values():
-            jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
     except (NativeUnavailable, OSError, AttributeError) as e:
         return Status(available=False, reason=str(e))
     return Status(available=True, library=str(path), compiled=compiled, compile_s=compile_s,
@@ -217,7 +216,7 @@ def backup(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, *, ga
     as_f32 = lambda x: x if x.dtype == f32 else x.astype(f32)
     as_bool = lambda x: x if x.dtype == jnp.bool_ else x.astype(bool)
     out = jax.ShapeDtypeStruct(value.shape, f32)
-    call = jax.ffi.ffi_call(TARGETS["backup"][0], (out, out), vmap_method="sequential")
+    call = jax.ffi.ffi_call(TARGET, (out, out), vmap_method="sequential")
     return call(as_f32(reward), as_f32(value), as_bool(dp_mask), as_bool(step_mask),
                 as_bool(terminal), as_bool(truncated), as_f32(v_boot), jnp.asarray(gamma, f32),
                 jnp.asarray(lam, f32), independent=np.int32(bool(independent)),
