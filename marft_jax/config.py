@@ -28,7 +28,7 @@ class ConfigError(ValueError):
 class ModelSection:
     name: str = "smollm2-135m"          # registry name, HF directory or .gguf file
     dtype: str = "auto"                 # auto (float32 on CPU, bfloat16 on GPU/TPU) | float32 | bfloat16
-    remat: bool = False                 # recompute each block in the backward pass
+    remat: Optional[bool] = None        # recompute each block in the backward pass; null = auto (>= 512-token rows)
 
 
 @dataclass
@@ -112,6 +112,8 @@ class PPOSection:
     interval_offset: int = 0
     critic_warmup: int = 0              # iterations that train only the critic
     critic_lora: bool = False
+    logp_old: str = "sampler"           # sampler (the rollout's own log-probs) | recompute (a training forward)
+    pack_sequences: bool = True         # packed sequences in the feature pass and the update (False: padded)
 
 
 @dataclass
@@ -179,6 +181,7 @@ _CHOICES = {
     "ppo.value_loss": ("huber", "mse"),
     "ppo.adv_norm": ("minibatch", "batch", "none"),
     "ppo.logprob_norm": ("sum", "token", "word"),
+    "ppo.logp_old": ("sampler", "recompute"),
     "ppo.agent_schedule": ("sequential", "concurrent", "interval"),
     "optim.schedule": ("constant", "cosine"),
 }

@@ -44,9 +44,15 @@ class KVCache:
     k, v: ``[layer, batch, kv_heads, slots, head_dim]`` (head-major: attention reads a layer's
     slice without a transpose); valid: ``[batch, slots]`` bool, True where a real (non-pad)
     token was written; index: int32 scalar, the next slot to write. All rows share the cursor
-    because prompts are left-padded to a common length. ``forward`` writes new keys/values into
-    the layer stack in place (the stack rides in the layer scan's carry), so with a donated
-    cache a decode step moves only the new entries, not the whole cache.
+    because prompts are left-padded to a common length.
+
+    ``forward`` keeps the cache read-only inside the layer scan (each layer reads its own slice
+    of the filled slots), attends over those slots plus the new tokens' own keys/values, emits
+    only the new ``[layer, batch, kv_heads, time, head_dim]`` entries and writes them with one
+    ``dynamic_update_slice`` after the scan: with a donated cache a decode step moves only the
+    new entries, never a whole layer or the whole stack. The sampler sizes the cache to the
+    bound of each decode phase (:mod:`marft_jax.sampling.sampler`), so attention reads only
+    ``slots`` keys, not the final length.
     """
 
     k: jax.Array
@@ -115,11 +121,15 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+              prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
     """Grouped-query attention with a boolean mask, softmax in float32.
 
     q: [B, T, heads, D]; k, v: [B, kv_heads, S, D] (head-major); mask: [B, T, S] (True = may
-    attend). Returns [B, T, heads, D].
+    attend). ``prefix``: optional read-only keys/values placed before ``k`` (the KV cache):
+    ``(k_prefix [B, kv_heads, P, D], v_prefix [B, kv_heads, P, D], mask_prefix [B, T, P])``;
+    one softmax runs over the ``P + S`` keys, without concatenating the cache (only the
+    ``[.., P + S]`` scores are joined). Returns [B, T, heads, D].
     """
     b, t, nh, d = q.shape
     nkv = k.shape[1]
@@ -127,12 +137,25 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.
     # Batch-major [B, kv_heads, group*T, D] queries: both einsums are plain batched matmuls
     # (no transposed operands or outputs), ~3x faster for decode on XLA:CPU.
     qg = q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nkv, g * t, d)
-    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / np.sqrt(d))
-    mask = jnp.broadcast_to(mask[:, None, None], (b, 1, g, t, mask.shape[-1])).reshape(b, 1, g * t, -1)
-    scores = jnp.where(mask, scores, _NEG)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkqs,bksd->bkqd", probs, v).reshape(b, nkv, g, t, d)
+
+    def masked_scores(keys, m):
+        s = jnp.einsum("bkqd,bksd->bkqs", qg, keys, preferred_element_type=jnp.float32)
+        s = s * (1.0 / np.sqrt(d))
+        m = jnp.broadcast_to(m[:, None, None], (b, 1, g, t, m.shape[-1])).reshape(b, 1, g * t, -1)
+        return jnp.where(m, s, _NEG)
+
+    scores = masked_scores(k, mask)
+    if prefix is None:
+        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+        out = jnp.einsum("bkqs,bksd->bkqd", probs, v)
+    else:
+        k_pre, v_pre, mask_pre = prefix
+        p = k_pre.shape[2]
+        probs = jax.nn.softmax(jnp.concatenate([masked_scores(k_pre, mask_pre), scores], -1), axis=-1)
+        probs = probs.astype(v.dtype)
+        out = (jnp.einsum("bkqs,bksd->bkqd", probs[..., :p], v_pre.astype(v.dtype))
+               + jnp.einsum("bkqs,bksd->bkqd", probs[..., p:], v))
+    out = out.reshape(b, nkv, g, t, d)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d)
 
 
@@ -145,13 +168,14 @@ def _proj(x, p, name, lora_a, lora_b, scale, per_row):
     return y
 
 
-def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, kv_in, mask_fn):
-    """One decoder block. Returns ``(x_out, kv_out)``.
+def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, cache_in, mask_fn):
+    """One decoder block. Returns ``(x_out, kv_new)``.
 
-    Without a cache (``kv_in is None``) attention is over this call's keys and ``kv_out`` is
-    None. With one, ``kv_in = (k_stack, v_stack, layer, index)`` holds every layer's cache
-    ``[layer, B, kv_heads, slots, D]``; the new keys/values are written at ``(layer, index)``
-    in place and ``kv_out`` is the updated stacks.
+    Without a cache (``cache_in is None``) attention is over this call's keys and ``kv_new`` is
+    None. With one, ``cache_in = (k_prefix, v_prefix, mask_prefix)`` is this layer's read-only
+    view of the filled cache slots (``[B, kv_heads, P, D]`` twice and ``[B, T, P]``; all None when
+    nothing is read, e.g. prefill into an empty cache); attention runs over those slots and the
+    new keys, and ``kv_new = (k, v)`` ``[B, kv_heads, T, D]`` are the entries to write.
     """
     b, t, _ = x.shape
     h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
@@ -162,23 +186,19 @@ def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, kv_in, mas
     k = rope(k, positions, cfg.rope_theta)
     k = jnp.swapaxes(k, 1, 2)                                   # [B, kv_heads, T, D]
     v = jnp.swapaxes(v, 1, 2)
-    kv_out = None
-    if kv_in is not None:
-        ks, vs, layer, index = kv_in
-        zero = jnp.zeros((), jnp.int32)
-        at = (layer, zero, zero, index, zero)
-        ks = jax.lax.dynamic_update_slice(ks, k.astype(ks.dtype)[None], at)
-        vs = jax.lax.dynamic_update_slice(vs, v.astype(vs.dtype)[None], at)
-        k = jax.lax.dynamic_index_in_dim(ks, layer, 0, keepdims=False)
-        v = jax.lax.dynamic_index_in_dim(vs, layer, 0, keepdims=False)
-        kv_out = (ks, vs)
-    o = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_fn).reshape(b, t, cfg.q_size)
+    kv_new, prefix = None, None
+    if cache_in is not None:
+        k_pre, v_pre, mask_pre = cache_in
+        kv_new = (k, v)
+        if k_pre is not None:
+            prefix = (k_pre.astype(q.dtype), v_pre.astype(q.dtype), mask_pre)
+    o = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_fn, prefix).reshape(b, t, cfg.q_size)
     x = x + _proj(o, p, "o_proj", la, lb, scale, per_row)
     h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
     gate = _proj(h, p, "gate_proj", la, lb, scale, per_row)
     up = _proj(h, p, "up_proj", la, lb, scale, per_row)
     x = x + _proj(jax.nn.silu(gate) * up, p, "down_proj", la, lb, scale, per_row)
-    return x, kv_out
+    return x, kv_new
 
 
 def forward(
@@ -192,6 +212,8 @@ def forward(
     agent: jax.Array | int | None = None,
     cache: KVCache | None = None,
     remat: bool = False,
+    segment_ids: jax.Array | None = None,
+    read_slots: int | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Run the decoder and return the last-layer hidden states (after the final norm).
 
@@ -204,10 +226,18 @@ def forward(
       positions: ``[batch, time]`` RoPE positions; default ``position_ids(valid)`` (only
         right for a whole sequence; decode steps must pass them).
       lora: optional per-agent adapter stack; ``agent`` (int32 scalar or ``[batch]``) selects it.
-      cache: optional KV cache; the new keys/values are written at ``cache.index`` and the
-        queries attend to every valid earlier slot. Without a cache attention is causal over
-        ``tokens`` only.
+      cache: optional KV cache; the queries attend to every valid slot before ``cache.index``
+        (among the first ``read_slots``) and causally to the new tokens, whose keys/values are
+        then written at ``cache.index`` (``index + time <= slots`` is the caller's duty). Without
+        a cache attention is causal over ``tokens`` only.
       remat: recompute each block in the backward pass (activation memory O(1) in depth).
+      segment_ids: optional ``[batch, time]`` int32 for packed rows (no cache): several
+        sequences share a row, ``0`` marks padding, and a token attends only to earlier tokens
+        of its own segment (block-diagonal causal mask). Pass per-segment ``positions`` with it
+        (see :mod:`marft_jax.rl.packing`); ``valid`` is then ``segment_ids > 0``.
+      read_slots: static, with a cache: how many leading cache slots attention may read
+        (default all; ``0`` for a prefill into an empty cache, which then attends over the
+        prompt's own keys only).
     Returns:
       ``(hidden [batch, time, H] in the parameter dtype, updated cache or None)``.
     """
@@ -227,36 +257,61 @@ def forward(
         la = lb = None
         per_row, scale = False, 0.0
 
-    if cache is None:
-        slot_q = jnp.arange(t)
-        key_valid = valid
-        slot_k = jnp.arange(t)
-        new_valid = None
-    else:
-        slot_q = cache.index + jnp.arange(t)
-        new_valid = jax.lax.dynamic_update_slice_in_dim(cache.valid, valid, cache.index, axis=1)
-        key_valid = new_valid
-        slot_k = jnp.arange(cache.valid.shape[1])
-    mask = key_valid[:, None, :] & (slot_k[None, None, :] <= slot_q[None, :, None])
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]             # [T(query), T(key)]
+    mask = valid[:, None, :] & causal[None]
+    if segment_ids is not None:
+        if cache is not None:
+            raise ValueError("forward: segment_ids (packed rows) cannot be used with a KV cache")
+        chex.assert_equal_shape([tokens, segment_ids])
+        mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
 
-    # The cache stacks ride in the carry (updated in place), not in xs/ys: scanning them as
-    # xs -> ys would copy every layer's whole cache on every decode step.
-    def body(carry, xs):
-        x, kv = carry
+    if cache is None:
+        def body(x, xs):
+            p, la_l, lb_l = xs
+            x, _ = _block(cfg, x, p, la_l, lb_l, scale, per_row, positions, None, mask)
+            return x, None
+
+        if remat:
+            body = jax.checkpoint(body, prevent_cse=False)
+        x, _ = jax.lax.scan(body, x, (params["layers"], la, lb))
+        return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), None
+
+    # Cache path: the cache is read-only inside the layer scan (each layer slices its own
+    # filled slots), the scan emits only the new entries as ys, and one dynamic_update_slice
+    # per stack writes them after the scan (in place when the cache is donated).
+    slots = cache.k.shape[3]
+    read = slots if read_slots is None else int(read_slots)
+    if not 0 <= read <= slots:
+        raise ValueError(f"forward: read_slots={read} outside [0, {slots}]")
+    if read:
+        prefix_ok = cache.valid[:, :read] & (jnp.arange(read) < cache.index)[None]   # [B, P]
+        prefix_mask = jnp.broadcast_to(prefix_ok[:, None, :], (b, t, read))
+
+    def cached_body(x, xs):
         p, la_l, lb_l, layer = xs
-        kv_in = None if kv is None else (kv[0], kv[1], layer, cache.index)
-        x, kv_out = _block(cfg, x, p, la_l, lb_l, scale, per_row, positions, kv_in, mask)
-        return (x, kv_out), None
+        if read:
+            zero = jnp.zeros((), jnp.int32)
+            at = (layer, zero, zero, zero, zero)
+            size = (1,) + cache.k.shape[1:3] + (read, cache.k.shape[4])
+            k_pre = jax.lax.dynamic_slice(cache.k, at, size)[0]
+            v_pre = jax.lax.dynamic_slice(cache.v, at, size)[0]
+            cache_in = (k_pre, v_pre, prefix_mask)
+        else:
+            cache_in = (None, None, None)
+        x, (k_new, v_new) = _block(cfg, x, p, la_l, lb_l, scale, per_row, positions, cache_in, mask)
+        return x, (k_new.astype(cache.k.dtype), v_new.astype(cache.v.dtype))
 
     if remat:
-        body = jax.checkpoint(body, prevent_cse=False)
-    kv0 = None if cache is None else (cache.k, cache.v)
+        cached_body = jax.checkpoint(cached_body, prevent_cse=False)
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    (x, kv_out), _ = jax.lax.scan(body, (x, kv0), (params["layers"], la, lb, layers))
+    x, (k_new, v_new) = jax.lax.scan(cached_body, x, (params["layers"], la, lb, layers))
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-    if cache is None:
-        return hidden, None
-    new_cache = KVCache(k=kv_out[0], v=kv_out[1], valid=new_valid, index=cache.index + t)
+    zero = jnp.zeros((), jnp.int32)
+    at = (zero, zero, zero, cache.index, zero)                  # k_new: [layer, B, kv_heads, T, D]
+    new_cache = KVCache(k=jax.lax.dynamic_update_slice(cache.k, k_new, at),
+                        v=jax.lax.dynamic_update_slice(cache.v, v_new, at),
+                        valid=jax.lax.dynamic_update_slice_in_dim(cache.valid, valid, cache.index, axis=1),
+                        index=cache.index + t)
     return hidden, new_cache
 
 

@@ -24,11 +24,15 @@ from marft_jax.sampling.buckets import length_bucket
 
 
 class Generation(NamedTuple):
-    """Sampler output for ``n`` prompts: tokens ``[n, K]``, lengths ``[n]``, logp ``[n, K]``."""
+    """Sampler output for ``n`` prompts: tokens ``[n, K]``, lengths ``[n]``, logp ``[n, K]``
+    (at the sampling temperature); optionally the policy's own log-probs and entropies
+    ``[n, K]`` (full vocabulary at the training temperature), which become PPO's old log-probs."""
 
     tokens: np.ndarray
     lengths: np.ndarray
     logp: np.ndarray
+    policy_logp: np.ndarray | None = None
+    entropy: np.ndarray | None = None
 
 
 # (prompts, agent ids [n], max_new_tokens, key) -> Generation
@@ -129,6 +133,9 @@ def rollout(
     act = np.zeros((S, B, N, K), np.int32)
     act_len = np.zeros((S, B, N), np.int32)
     logp = np.zeros((S, B, N, K), np.float32)
+    policy_logp = np.zeros((S, B, N, K), np.float32)
+    entropy = np.zeros((S, B, N, K), np.float32)
+    has_policy_logp = True
     words = np.zeros((S, B, N), np.int32)
     clipped = np.zeros((S, B, N), bool)
     step_mask = np.zeros((S, B), bool)
@@ -146,13 +153,18 @@ def rollout(
         """Generate for (row, agent, prompt) triples and store the results at step s."""
         agents = np.array([a for _, a, _ in calls], np.int32)
         budget = max(cfg.budget(a) for a in agents)
+        nonlocal has_policy_logp
         gen = generate([p for _, _, p in calls], agents, budget, k)
+        has_policy_logp = has_policy_logp and gen.policy_logp is not None and gen.entropy is not None
         for j, (b, a, prompt) in enumerate(calls):
             ctx[(s, b, a)] = prompt
             limit = min(cfg.budget(a), max(cfg.context_window - len(prompt), 1))
             n = int(min(gen.lengths[j], limit))
             act[s, b, a, :n] = gen.tokens[j, :n]
             logp[s, b, a, :n] = gen.logp[j, :n]
+            if has_policy_logp:
+                policy_logp[s, b, a, :n] = gen.policy_logp[j, :n]
+                entropy[s, b, a, :n] = gen.entropy[j, :n]
             act_len[s, b, a] = n
             clipped[s, b, a] = n >= limit and (n == 0 or int(gen.tokens[j, n - 1]) not in tokenizer.stop_ids)
             text = tokenizer.decode(gen.tokens[j, :n]).rstrip()
@@ -224,6 +236,8 @@ def rollout(
     traj = Trajectory(ctx_tokens=ctx_tokens, ctx_valid=ctx_valid, act_tokens=act, act_valid=act_valid,
                       sample_logp=logp, word_count=words, step_mask=step_mask, terminal=terminal,
                       truncated=truncated, score=score_arr, agent_score=agent_score,
-                      boot_ctx_tokens=boot_tokens, boot_ctx_valid=boot_valid, budget_clipped=clipped)
+                      boot_ctx_tokens=boot_tokens, boot_ctx_valid=boot_valid, budget_clipped=clipped,
+                      policy_logp=policy_logp if has_policy_logp else None,
+                      entropy=entropy if has_policy_logp else None)
     traj.check()
     return traj, RolloutTexts(outputs=outputs, infos=infos)

@@ -36,6 +36,9 @@ class Trajectory:
         bootstrap state of truncated rows (all-pad elsewhere). The chained backup reads agent
         0's; independent PPO reads every agent's own.
       budget_clipped: ``[S, B, N]`` bool, the response hit its token budget.
+      policy_logp, entropy: ``[S, B, N, K]`` float32 or None, the sampler's log-probs and
+        entropies under the policy itself (full vocabulary, training temperature), 0 after
+        each response; PPO's old log-probs when present (no recompute forward).
     """
 
     ctx_tokens: jax.Array
@@ -52,6 +55,8 @@ class Trajectory:
     boot_ctx_tokens: jax.Array
     boot_ctx_valid: jax.Array
     budget_clipped: jax.Array
+    policy_logp: jax.Array | None = None
+    entropy: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -64,7 +69,9 @@ class Trajectory:
         sizes = layout.assert_layout(self.ctx_tokens, "ctx_tokens", (*layout.ACTION_AXES, "ctx"))
         layout.assert_layout(self.ctx_valid, "ctx_valid", (*layout.ACTION_AXES, "ctx"), sizes=sizes)
         sizes = layout.assert_layout(self.act_tokens, "act_tokens", layout.TOKEN_AXES, sizes=sizes)
-        for name in ("act_valid", "sample_logp"):
+        for name in ("act_valid", "sample_logp", "policy_logp", "entropy"):
+            if getattr(self, name) is None:
+                continue
             layout.assert_layout(getattr(self, name), name, layout.TOKEN_AXES, sizes=sizes)
         for name in ("word_count", "agent_score", "budget_clipped"):
             layout.assert_layout(getattr(self, name), name, layout.ACTION_AXES, sizes=sizes)
@@ -77,7 +84,7 @@ class Trajectory:
         fields = {}
         for f in self.__dataclass_fields__:
             x = getattr(self, f)
-            fields[f] = take(x, 0 if f.startswith("boot_") else 1)
+            fields[f] = None if x is None else take(x, 0 if f.startswith("boot_") else 1)
         return Trajectory(**fields)
 
     def to_numpy(self) -> "Trajectory":

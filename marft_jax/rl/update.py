@@ -33,6 +33,7 @@ from marft_jax.models.config import ModelConfig
 from marft_jax.models.critic import CriticParams, critic_features_fn, value_head
 from marft_jax.models.lora import LoraStack
 from marft_jax.rl import layout, losses
+from marft_jax.rl.packing import PackedRows, UpdatePlan
 from marft_jax.train.state import OptimConfig, TrainState, critic_optimizer, policy_optimizer
 
 
@@ -60,7 +61,7 @@ class UpdateConfig:
     micro_batches: int = 1
     temperature: float = 1.0
     chunk: int = 128
-    remat: bool = False
+    remat: bool | None = None           # None: auto, on for sequences of >= REMAT_AUTO_LEN slots
     optim: OptimConfig = OptimConfig()
 
     @property
@@ -72,7 +73,8 @@ class UpdateConfig:
 class UpdateBatch:
     """Everything the update reads, canonical layout (S steps, B rows, N agents).
 
-    ctx_tokens/ctx_valid ``[S, B, N, L]``; act_tokens/act_valid/logp_old ``[S, B, N, K]``;
+    ctx_tokens/ctx_valid ``[S, B, N, L]`` (None when the policy reads packed rows and the critic
+    has no LoRA); act_tokens/act_valid/logp_old ``[S, B, N, K]``;
     adv, ret, v_old, dp_mask ``[S, B, N]`` (action level) or ``[S, B, N, K]`` (token level);
     feats ``[S, B, N, H]`` / ``[S, B, N, K, H]`` cached critic features (ignored with critic
     LoRA); word_count ``[S, B, N]`` int32.
@@ -102,12 +104,41 @@ def _micro(x: jax.Array, m: int) -> jax.Array:
     return x.reshape((m, x.shape[0] // m) + x.shape[1:])
 
 
+REMAT_AUTO_LEN = 512  # remat=None recomputes blocks from this sequence length (slots per row) up
+
+
+def resolve_remat(remat: bool | None, seq_len: int) -> bool:
+    """``remat`` itself, or for ``None`` (auto) whether a ``seq_len``-slot forward rematerializes.
+
+    Below ~512 slots the saved activations of a small model fit easily and recomputing costs
+    ~30 % more compute; above, the per-layer ``[rows, heads, T, T]`` attention buffers kept for
+    the backward pass dominate memory (the reference workload planned ~100 GiB without remat).
+    """
+    return (seq_len >= REMAT_AUTO_LEN) if remat is None else bool(remat)
+
+
+def _policy_logprobs(base, lora_m: LoraStack, cfg: ModelConfig, ucfg: UpdateConfig, d: dict, remat: bool | None):
+    """Per-token log-probs and entropies ``[rows, K]`` of one agent's (micro-)batch ``d``.
+
+    Packed rows (``d["packed"]``, ``d["gather"]``: :mod:`marft_jax.rl.packing`) when the caller
+    planned them, else the padded ``ctx ‖ act`` layout.
+    """
+    agent = jnp.zeros((), jnp.int32)
+    if "packed" in d:
+        remat = resolve_remat(remat, d["packed"].tokens.shape[-1])
+        return lp_lib.packed_action_logprobs_fn(
+            base, lora_m, agent, d["packed"], d["gather"], d["act_tokens"], d["act_valid"],
+            ucfg.temperature, cfg=cfg, chunk=ucfg.chunk, remat=remat)
+    remat = resolve_remat(remat, d["ctx_tokens"].shape[-1] + d["act_tokens"].shape[-1])
+    return lp_lib.action_logprobs_fn(
+        base, lora_m, agent, d["ctx_tokens"], d["ctx_valid"], d["act_tokens"], d["act_valid"],
+        ucfg.temperature, cfg=cfg, chunk=ucfg.chunk, remat=remat)
+
+
 def _agent_loss_sums(lora_m: LoraStack, base, cfg: ModelConfig, ucfg: UpdateConfig, d: dict,
                      happo: jax.Array) -> losses.LossSums:
     """Agent m's policy loss over (micro-)batch rows ``d`` as exact sums (``lora_m``: 1 agent)."""
-    logp, ent = lp_lib.action_logprobs_fn(
-        base, lora_m, jnp.zeros((), jnp.int32), d["ctx_tokens"], d["ctx_valid"], d["act_tokens"],
-        d["act_valid"], ucfg.temperature, cfg=cfg, chunk=ucfg.chunk, remat=ucfg.remat)
+    logp, ent = _policy_logprobs(base, lora_m, cfg, ucfg, d, ucfg.remat)
     if ucfg.token_level:
         return losses.tppo_policy_loss(logp, d["logp_old"], d["dp_mask"], d["adv"] * happo[:, None],
                                        clip_eps=ucfg.clip_eps, entropy=ent, ent_coef=ucfg.ent_coef)
@@ -160,9 +191,7 @@ def _happo_factor(base, cfg, ucfg, lora_m, d):
     m = ucfg.micro_batches
 
     def one(dm):
-        logp, _ = lp_lib.action_logprobs_fn(
-            base, lora_m, jnp.zeros((), jnp.int32), dm["ctx_tokens"], dm["ctx_valid"], dm["act_tokens"],
-            dm["act_valid"], ucfg.temperature, cfg=cfg, chunk=ucfg.chunk, remat=False)
+        logp, _ = _policy_logprobs(base, lora_m, cfg, ucfg, dm, False)
         norm = dict(norm=ucfg.logprob_norm, word_count=dm["word_count"])
         return (losses.action_logprob(logp, dm["act_valid"], **norm)
                 - losses.action_logprob(dm["logp_old"], dm["act_valid"], **norm))
@@ -184,11 +213,19 @@ def _without_agent_axis(tree):
 
 
 def update_agents(base, cfg: ModelConfig, ucfg: UpdateConfig, lora: LoraStack, lora_opt, mb: UpdateBatch,
-                  train_mask: jax.Array):
-    """Update every agent on one minibatch by ``ucfg.agent_schedule``. Returns new (lora, opt, metrics[N])."""
-    fields = ("ctx_tokens", "ctx_valid", "act_tokens", "act_valid", "logp_old", "adv", "dp_mask", "word_count")
+                  train_mask: jax.Array, packed: tuple[PackedRows, jax.Array] | None = None):
+    """Update every agent on one minibatch by ``ucfg.agent_schedule``. Returns new (lora, opt, metrics[N]).
+
+    ``packed``: optional ``(rows [N, u*R, T], gather [N, S*b, K])`` of this minibatch
+    (:class:`~marft_jax.rl.packing.UpdatePlan`); without it the padded contexts are used.
+    """
+    fields = ("act_tokens", "act_valid", "logp_old", "adv", "dp_mask", "word_count")
+    if packed is None:
+        fields = ("ctx_tokens", "ctx_valid") + fields
     per_agent = {f: _rows_view(getattr(mb, f)) for f in fields}            # [N, R, ...]
-    num_rows = per_agent["ctx_tokens"].shape[1]
+    if packed is not None:
+        per_agent["packed"], per_agent["gather"] = packed
+    num_rows = per_agent["act_tokens"].shape[1]
     ones = jnp.ones((num_rows,), jnp.float32)
 
     if ucfg.agent_schedule == "concurrent":
@@ -223,7 +260,7 @@ def critic_values(critic: CriticParams, base, cfg: ModelConfig, ucfg: UpdateConf
     flat = lambda x: x.reshape((s * b * n,) + x.shape[3:])
     feats = critic_features_fn(base, flat(mb.ctx_tokens), flat(mb.ctx_valid), flat(mb.act_tokens),
                                flat(mb.act_valid), cfg=cfg, token_level=ucfg.token_level,
-                               lora=critic.lora, remat=ucfg.remat)
+                               lora=critic.lora, remat=resolve_remat(ucfg.remat, l + mb.act_tokens.shape[-1]))
     return value_head(critic.head, feats).reshape(mb.v_old.shape)
 
 
@@ -248,7 +285,8 @@ def _take_rows(batch: UpdateBatch, idx: jax.Array) -> UpdateBatch:
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ucfg"), donate_argnames=("state",))
 def ppo_update(base, state: TrainState, batch: UpdateBatch, train_mask: jax.Array, train_policy: jax.Array,
-               *, cfg: ModelConfig, ucfg: UpdateConfig) -> tuple[TrainState, dict[str, Any]]:
+               *, cfg: ModelConfig, ucfg: UpdateConfig,
+               plan: UpdatePlan | None = None) -> tuple[TrainState, dict[str, Any]]:
     """All PPO epochs and minibatches of one iteration.
 
     Args:
@@ -257,30 +295,40 @@ def ppo_update(base, state: TrainState, batch: UpdateBatch, train_mask: jax.Arra
       batch: :class:`UpdateBatch` of the whole rollout.
       train_mask: ``[N]`` bool, agents allowed to change (``interval`` trains one).
       train_policy: bool scalar, False during critic warm-up (only the critic trains).
+      plan: optional packed policy inputs (:func:`marft_jax.rl.packing.plan_update`, built with
+        :func:`~marft_jax.rl.packing.minibatch_perms` of ``state.rng``, so the minibatches are
+        the ones drawn here without it). Without a plan, the padded contexts of ``batch`` are
+        used (then ``batch.ctx_tokens`` must be present).
     Returns:
       ``(new_state, metrics)``; per-agent metrics are ``[N]`` means over minibatches.
     """
     chex.assert_rank(train_mask, 1)
-    B = batch.ctx_tokens.shape[layout.BATCH_AXIS]
+    B = batch.act_tokens.shape[layout.BATCH_AXIS]
     nmb = ucfg.num_minibatches
     if ucfg.adv_norm == "batch":
         batch = batch.replace(adv=losses.normalize_advantages(batch.adv, batch.dp_mask, mode="batch"))
     flags = jnp.logical_and(train_mask, train_policy)
 
-    def minibatch(state: TrainState, idx):
+    def minibatch(state: TrainState, xs):
+        idx, packed = xs
         mb = _take_rows(batch, idx)
         if ucfg.adv_norm == "minibatch":
             mb = mb.replace(adv=losses.normalize_advantages(mb.adv, mb.dp_mask, mode="minibatch"))
         critic, critic_opt, cmet = critic_update(base, cfg, ucfg, state.critic, state.critic_opt, mb)
-        lora, lora_opt, amet = update_agents(base, cfg, ucfg, state.lora, state.lora_opt, mb, flags)
+        lora, lora_opt, amet = update_agents(base, cfg, ucfg, state.lora, state.lora_opt, mb, flags, packed)
         state = state.replace(lora=lora, lora_opt=lora_opt, critic=critic, critic_opt=critic_opt)
         return state, {"critic": cmet, "actor": amet}
 
-    def epoch(state: TrainState, key):
-        perm = jax.random.permutation(key, B).reshape(nmb, B // nmb)
-        return jax.lax.scan(minibatch, state, perm)
+    def epoch(state: TrainState, xs):
+        return jax.lax.scan(minibatch, state, xs)
 
     rng, key = jax.random.split(state.rng)
-    state, metrics = jax.lax.scan(epoch, state, jax.random.split(key, ucfg.epochs))
+    if plan is None:
+        perms = jax.vmap(lambda k: jax.random.permutation(k, B))(jax.random.split(key, ucfg.epochs))
+        xs = (perms.reshape(ucfg.epochs, nmb, B // nmb), None)
+    else:
+        chex.assert_shape(plan.perms, (ucfg.epochs, nmb, B // nmb))
+        xs = (plan.perms, (plan.rows, plan.gather))
+    state, metrics = jax.lax.scan(epoch, state, xs)
     metrics = jax.tree.map(lambda x: jnp.mean(x.reshape((-1,) + x.shape[2:]), axis=0), metrics)
     return state.replace(rng=rng, step=state.step + 1), metrics

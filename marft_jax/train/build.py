@@ -128,7 +128,9 @@ def build_run(cfg: Config) -> Run:
                                 reward_bias=cfg.algo.reward_bias, reward_scale=cfg.algo.reward_scale,
                                 reward_clip=cfg.algo.reward_clip, independent=(r.mode == "parallel"),
                                 ippo_own_weight=cfg.algo.ippo_own_weight,
-                                reference_semantics=cfg.algo.reference_semantics, temperature=r.temperature),
+                                reference_semantics=cfg.algo.reference_semantics, temperature=r.temperature,
+                                logp_old=cfg.ppo.logp_old),
+        pack_sequences=cfg.ppo.pack_sequences,
         schedule=ScheduleConfig(agent_schedule=cfg.ppo.agent_schedule, interval=cfg.ppo.interval,
                                 interval_offset=cfg.ppo.interval_offset, critic_warmup=cfg.ppo.critic_warmup),
     )

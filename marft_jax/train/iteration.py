@@ -19,11 +19,13 @@ import numpy as np
 from marft_jax.envs.chat import ChatTokenizer
 from marft_jax.envs.task import Problem, Score, Transcript
 from marft_jax.models.config import ModelConfig
+from marft_jax.rl import packing
 from marft_jax.rl import rollout as rollout_lib
 from marft_jax.rl.rollout import Generation, RolloutConfig, Team
 from marft_jax.rl.update import UpdateConfig, ppo_update
 from marft_jax.sampling.sampler import Sampler, SamplingConfig
-from marft_jax.train.prepare import AdvantageConfig, prepare_update_batch
+from marft_jax.train.compile_count import CompileCounter, compile_metrics
+from marft_jax.train.prepare import AdvantageConfig, PrepareShapes, prepare_update_batch
 from marft_jax.train.state import TrainState
 
 
@@ -42,14 +44,20 @@ def interval_agent(env_samples: int, interval: int, offset: int, num_agents: int
     return (env_samples // interval + offset) % num_agents
 
 
-def make_generate(sampler: Sampler, base, lora, sampling: SamplingConfig) -> rollout_lib.GenerateFn:
-    """Adapt the sampler to the rollout's ``GenerateFn`` (adapters selected per row)."""
+def make_generate(sampler: Sampler, base, lora, sampling: SamplingConfig,
+                  policy_temperature: float = 1.0) -> rollout_lib.GenerateFn:
+    """Adapt the sampler to the rollout's ``GenerateFn`` (adapters selected per row).
+
+    ``policy_temperature``: the training temperature; the sampler's log-probs and entropies at
+    it are PPO's old log-probs (``prepare.py``).
+    """
 
     def generate(prompts: Sequence[Sequence[int]], agents: np.ndarray, max_new: int, key) -> Generation:
         agent = int(agents[0]) if np.all(agents == agents[0]) else [int(a) for a in agents]
         out = sampler(base, prompts, key=key, config=sampling, lora=lora, agent=agent,
-                      budget=min(max_new, sampling.max_new_tokens))
-        return Generation(tokens=out.tokens, lengths=out.lengths, logp=out.logps)
+                      budget=min(max_new, sampling.max_new_tokens), policy_temperature=policy_temperature)
+        return Generation(tokens=out.tokens, lengths=out.lengths, logp=out.logps,
+                          policy_logp=out.policy_logps, entropy=out.entropies)
 
     return generate
 
@@ -76,14 +84,20 @@ class TeamLearner:
     update_cfg: UpdateConfig
     adv_cfg: AdvantageConfig
     schedule: ScheduleConfig = ScheduleConfig()
-    # Context length bucket only grows over a run, so the update and the log-prob programs
-    # compile for a handful of shapes instead of whenever a batch's longest context changes.
+    # Context length bucket only grows over a run (the trajectory's padded context axis).
     context_bucket: int = 0
+    # Packed sequences (rl/packing.py) for the feature pass and the update; False: the padded
+    # [context bucket + K] layout (the A/B baseline of the packing).
+    pack_sequences: bool = True
+    # Compiled packed shapes of this run, reused while they fit (few compiles, bounded padding).
+    prepare_shapes: PrepareShapes = dataclasses.field(default_factory=PrepareShapes)
+    update_shapes: packing.ShapePolicy = dataclasses.field(default_factory=packing.ShapePolicy)
 
     def play(self, state: TrainState, problems: Sequence[Problem], key, sampling: SamplingConfig | None = None,
              rollout_cfg: RolloutConfig | None = None):
         """Roll out the team on ``problems`` (no update). Returns (trajectory, texts)."""
-        gen = make_generate(self.sampler, self.base, state.lora, sampling or self.sampling)
+        gen = make_generate(self.sampler, self.base, state.lora, sampling or self.sampling,
+                            policy_temperature=self.adv_cfg.temperature)
         rcfg = rollout_cfg or self.rollout_cfg
         rcfg = dataclasses.replace(rcfg, min_context_bucket=max(rcfg.min_context_bucket, self.context_bucket))
         traj, texts = rollout_lib.rollout(problems, team=self.team, tokenizer=self.tokenizer, generate=gen,
@@ -102,22 +116,36 @@ class TeamLearner:
 
     def iteration(self, state: TrainState, problems: Sequence[Problem], *, iteration: int, env_samples: int,
                   key) -> tuple[TrainState, dict, object]:
-        """One iteration. Returns (new state, flat metrics dict, rollout texts)."""
+        """One iteration. Returns (new state, flat metrics dict, rollout texts).
+
+        ``perf/compiles`` counts the XLA programs compiled during it (0 once every shape of
+        the run has been seen), ``timing_s/compile`` the seconds they took.
+        """
+        with CompileCounter.counting() as compiles:
+            state, metrics, texts = self._iteration(state, problems, iteration=iteration,
+                                                    env_samples=env_samples, key=key)
+        metrics.update(compile_metrics(compiles))
+        return state, metrics, texts
+
+    def _iteration(self, state: TrainState, problems: Sequence[Problem], *, iteration: int, env_samples: int,
+                   key) -> tuple[TrainState, dict, object]:
         timings = {}
         t0 = time.perf_counter()
         traj, texts = self.play(state, problems, key)
         timings["timing_s/rollout"] = time.perf_counter() - t0
 
         t1 = time.perf_counter()
+        keep_ctx = not self.pack_sequences or state.critic.lora is not None
         batch, prep = prepare_update_batch(self.base, state.lora, state.critic, traj, cfg=self.cfg,
-                                           acfg=self.adv_cfg)
+                                           acfg=self.adv_cfg, shapes=self.prepare_shapes, keep_contexts=keep_ctx)
         jax.block_until_ready(batch.adv)
         timings["timing_s/values_logprobs_backup"] = time.perf_counter() - t1
 
         mask, train_policy = self.train_mask(iteration, env_samples)
         t2 = time.perf_counter()
+        plan, pstats = self.update_plan(state, traj)
         state, upd = ppo_update(self.base, state, batch, jnp.asarray(mask), jnp.asarray(train_policy),
-                                cfg=self.cfg, ucfg=self.update_cfg)
+                                cfg=self.cfg, ucfg=self.update_cfg, plan=plan)
         jax.block_until_ready(state.lora)
         timings["timing_s/update"] = time.perf_counter() - t2
         timings["timing_s/step"] = time.perf_counter() - t0
@@ -134,10 +162,30 @@ class TeamLearner:
             metrics[f"critic/{name}"] = float(value)
         metrics["actor/trained_agents"] = int(mask.sum()) if train_policy else 0
         ctx_tok, gen_tok = token_counts(traj)
-        metrics["perf/throughput"] = (ctx_tok + gen_tok) / max(metrics["timing_s/step"], 1e-9) / jax.device_count()
+        metrics["perf/tokens/update/valid"] = pstats["valid_tokens"]
+        metrics["perf/tokens/update/computed"] = pstats["computed_tokens"]
+        valid = metrics["perf/tokens/update/valid"] + metrics["perf/tokens/prepare/valid"]
+        metrics["perf/padding_ratio"] = (metrics["perf/tokens/update/computed"]
+                                         + metrics["perf/tokens/prepare/computed"]) / max(valid, 1)
+        metrics["perf/throughput"] = (ctx_tok + gen_tok) / max(metrics["timing_s/step"], 1e-9)
         metrics["perf/rollout_tokens_per_s"] = gen_tok / max(timings["timing_s/rollout"], 1e-9)
         metrics["env_samples"] = env_samples + int(np.asarray(traj.step_mask).sum())
         return state, metrics, texts
+
+    def update_plan(self, state: TrainState, traj) -> tuple[packing.UpdatePlan | None, dict]:
+        """The packed policy inputs of this iteration's update (None: the padded layout), and
+        the valid / computed token counts of its policy forwards."""
+        u = self.update_cfg
+        S, B, N, L, K = traj.shape
+        if not self.pack_sequences:
+            valid = int(np.asarray(traj.ctx_valid).sum() + np.asarray(traj.act_valid).sum())
+            return None, {"valid_tokens": valid * u.epochs, "computed_tokens": S * B * N * (L + K) * u.epochs}
+        perms = packing.minibatch_perms(state.rng, B, u.num_minibatches, u.epochs)
+        plan, stats = packing.plan_update(np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid),
+                                          np.asarray(traj.act_tokens), np.asarray(traj.act_valid), perms,
+                                          micro_batches=u.micro_batches, policy=self.update_shapes,
+                                          pad_id=self.tokenizer.pad_id)
+        return jax.tree.map(jnp.asarray, plan), stats
 
     def episode_metrics(self, traj) -> dict:
         """Accuracy, per-agent rewards and completion statistics of a trajectory."""

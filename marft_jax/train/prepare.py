@@ -1,10 +1,14 @@
 """From a rollout to the update batch: old log-probs, cached critic features, values,
 placed rewards and the chained (or independent) Bellman backups.
 
-``logp_old`` is recomputed with the training forward (same kernels as the update), so the
-PPO ratio is exactly 1 at the first minibatch; the sampler's log-probs are only compared as a
-mismatch metric (reference §3). Critic features come from one base-only forward per
-(step, row, agent) and are reused by every PPO epoch (§5).
+``logp_old`` comes from the sampler (``logp_old="sampler"``, the default): it returns each
+token's log-prob under the policy itself (full vocabulary, the training temperature, the same
+parameters), which is what a recompute forward would give up to float rounding (~1e-6), so the
+PPO ratio is 1 at the first minibatch to that precision. ``logp_old="recompute"`` runs the
+training forward instead (same kernels as the update; the ratio is then exactly 1) and logs the
+sampler's disagreement as ``rollout/logp_mismatch`` (reference §3). Critic features come from one
+base-only forward over *packed* sequences (:mod:`marft_jax.rl.packing`: work follows the valid
+tokens, not the context bucket) and are reused by every PPO epoch (§5).
 """
 
 from __future__ import annotations
@@ -16,13 +20,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marft_jax.models import decoder
 from marft_jax.models import logprobs as lp_lib
 from marft_jax.models.config import ModelConfig
-from marft_jax.models.critic import CriticParams, critic_features_fn, value_head
+from marft_jax.models.critic import CriticParams, value_head
 from marft_jax.models.lora import LoraStack
-from marft_jax.rl import backups, layout, rewards
+from marft_jax.rl import backups, layout, packing, rewards
 from marft_jax.rl.trajectory import Trajectory
 from marft_jax.rl.update import UpdateBatch
+
+LOGP_OLD_SOURCES = ("sampler", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,89 +48,150 @@ class AdvantageConfig:
     reference_semantics: bool = False
     temperature: float = 1.0
     chunk: int = 128
-    rows_per_call: int = 64             # sequences per forward (static shape; memory bound)
+    tokens_per_call: int = 8192         # packed slots per forward call (memory bound)
+    logp_old: str = "sampler"           # sampler | recompute
+
+    def __post_init__(self) -> None:
+        if self.logp_old not in LOGP_OLD_SOURCES:
+            raise ValueError(f"ppo.logp_old must be one of {LOGP_OLD_SOURCES}, got {self.logp_old!r}")
 
 
-def _flat(x: jax.Array) -> jax.Array:
-    """``[S, B, N, ...] -> [S*B*N, ...]``."""
-    return x.reshape((-1,) + x.shape[3:])
+@dataclasses.dataclass
+class PrepareShapes:
+    """The run's packed shapes for the feature pass and the recompute forward (grow-only caches)."""
 
-
-@functools.partial(jax.jit, static_argnames=("cfg", "token_level", "chunk"))
-def _logp_and_feats(base, lora: LoraStack, critic_lora, agent, ctx, ctx_valid, act, act_valid, temperature,
-                    *, cfg: ModelConfig, token_level: bool, chunk: int):
-    logp, ent = lp_lib.action_logprobs_fn(base, lora, agent, ctx, ctx_valid, act, act_valid, temperature,
-                                          cfg=cfg, chunk=chunk)
-    feats = critic_features_fn(base, ctx, ctx_valid, act, act_valid, cfg=cfg, token_level=token_level,
-                               lora=critic_lora)
-    return logp, ent, feats
+    features: packing.ShapePolicy = dataclasses.field(default_factory=packing.ShapePolicy)
+    logprobs: packing.ShapePolicy = dataclasses.field(default_factory=packing.ShapePolicy)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _boot_feats(base, critic_lora, ctx, ctx_valid, *, cfg: ModelConfig):
-    dummy = jnp.zeros((ctx.shape[0], 1), jnp.int32)
-    return critic_features_fn(base, ctx, ctx_valid, dummy, dummy > 0, cfg=cfg, token_level=False,
-                              lora=critic_lora)
+def _packed_hidden_at(base, critic_lora, rows: packing.PackedRows, gather, *, cfg: ModelConfig):
+    """Base (+ critic LoRA) hidden states of packed rows ``[C, r, T]`` (``C`` calls of ``r``
+    rows, run one after another), read at ``gather [G, P]`` flat indices -> ``[G, P, H]``."""
+    agent = None if critic_lora is None else jnp.zeros((), jnp.int32)
+
+    def one(r):
+        seg = r.segment_ids
+        hidden, _ = decoder.forward(base, r.tokens, seg > 0, cfg=cfg, positions=r.positions, lora=critic_lora,
+                                    agent=agent, segment_ids=seg)
+        return hidden
+
+    hidden = jax.lax.map(one, rows)
+    return jnp.take(hidden.reshape((-1, hidden.shape[-1])), gather, axis=0)
 
 
-def _batched(fn, arrays, rows: int):
-    """Run ``fn`` over row chunks of a fixed size (pads the last chunk; static shapes)."""
-    n = arrays[0].shape[0]
-    outs = []
-    for start in range(0, n, rows):
-        chunk = [a[start:start + rows] for a in arrays]
-        real = chunk[0].shape[0]
-        if real < rows:
-            chunk = [np.concatenate([c, np.repeat(c[-1:], rows - real, 0)]) for c in chunk]
-        res = fn(*chunk)
-        outs.append(jax.tree.map(lambda x: np.asarray(x)[:real], res))
-    return jax.tree.map(lambda *xs: np.concatenate(xs), *outs)
+@functools.partial(jax.jit, static_argnames=("cfg", "chunk"))
+def _packed_logprobs(base, lora: LoraStack, rows: packing.PackedRows, gather, act_tokens, act_valid, temperature,
+                     *, cfg: ModelConfig, chunk: int):
+    """Every agent's old log-probs from packed rows: rows ``[N, R, T]``, gather / actions
+    ``[N, n, K]`` -> ``(logp, entropy)`` ``[N, n, K]`` (agent ``i`` with its own adapter)."""
+    def one(xs):
+        i, r, g, a, av = xs
+        return lp_lib.packed_action_logprobs_fn(base, lora, i, r, g, a, av, temperature, cfg=cfg, chunk=chunk)
+
+    agents = jnp.arange(gather.shape[0], dtype=jnp.int32)
+    return jax.lax.map(one, (agents, rows, gather, act_tokens, act_valid))
+
+
+def _calls(rows: packing.PackedRows, per_call: int) -> packing.PackedRows:
+    """``[R, T]`` -> ``[R / per_call, per_call, T]`` (R is a multiple of ``per_call``)."""
+    return jax.tree.map(lambda x: x.reshape((-1, per_call) + x.shape[1:]), rows)
+
+
+def critic_features(base, critic: CriticParams, traj: Trajectory, *, cfg: ModelConfig, token_level: bool,
+                    tokens_per_call: int, policy: packing.ShapePolicy) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Packed critic features of every decision point and of the bootstrap contexts.
+
+    Returns ``(feats [S, B, N, H] or [S, B, N, K, H], boot_feats [B, N, H], stats)``; stats
+    holds the pass's ``valid_tokens`` and ``computed_tokens``.
+    """
+    S, B, N, L, K = traj.shape
+    ctx, cv = np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid)
+    act, av = np.asarray(traj.act_tokens), np.asarray(traj.act_valid)
+    bt, bv = np.asarray(traj.boot_ctx_tokens), np.asarray(traj.boot_ctx_valid)
+    flat = lambda x: x.reshape((-1,) + x.shape[3:])
+    if token_level:   # the critic reads every action position: ctx ‖ act
+        seqs = [packing.sequence(c, v, a, m) for c, v, a, m in zip(flat(ctx), flat(cv), flat(act), flat(av))]
+    else:             # only the last context token: the response is not an input
+        seqs = [packing.sequence(c, v) for c, v in zip(flat(ctx), flat(cv))]
+    n_main = len(seqs)
+    seqs += [packing.sequence(c, v) for c, v in zip(bt.reshape(-1, L), bv.reshape(-1, L))]
+    n_ctx = np.concatenate([flat(cv).sum(-1), bv.reshape(-1, L).sum(-1)])
+    R, T = policy.choose([[len(x) for x in seqs]])
+    per_call = max(1, min(R, tokens_per_call // T))
+    R = -(-R // per_call) * per_call
+    read = K if token_level else 1
+    rows, gather = packing.pack_group(seqs, np.maximum(n_ctx - 1, 0), read, R, T)
+    out = np.asarray(_packed_hidden_at(base, critic.lora, _calls(jax.tree.map(jnp.asarray, rows), per_call),
+                                       jnp.asarray(gather), cfg=cfg))
+    feats = out[:n_main] if token_level else out[:n_main, 0]
+    feats = feats.reshape((S, B, N) + feats.shape[1:])
+    boot = out[n_main:, 0].reshape(B, N, -1)
+    stats = {"valid_tokens": int(sum(len(x) for x in seqs)), "computed_tokens": int(R * T)}
+    return feats, boot, stats
+
+
+def recompute_logprobs(base, lora: LoraStack, traj: Trajectory, *, cfg: ModelConfig, temperature: float,
+                       chunk: int, policy: packing.ShapePolicy) -> tuple[np.ndarray, np.ndarray, dict]:
+    """The training forward's log-probs and entropies ``[S, B, N, K]`` of every action (packed)."""
+    S, B, N, L, K = traj.shape
+    perms = np.arange(B, dtype=np.int32)[None, None]
+    plan, stats = packing.plan_update(np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid),
+                                      np.asarray(traj.act_tokens), np.asarray(traj.act_valid), perms,
+                                      micro_batches=1, policy=policy)
+    per_agent = lambda x: jnp.asarray(np.moveaxis(np.asarray(x), 2, 0).reshape((N, S * B) + x.shape[3:]))
+    logp, ent = _packed_logprobs(base, lora, jax.tree.map(lambda x: jnp.asarray(x[0, 0]), plan.rows),
+                                 jnp.asarray(plan.gather[0, 0]), per_agent(traj.act_tokens),
+                                 per_agent(traj.act_valid), temperature, cfg=cfg, chunk=chunk)
+    back = lambda x: np.moveaxis(np.asarray(x).reshape(N, S, B, K), 0, 2)
+    return back(logp), back(ent), stats
 
 
 def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Trajectory, *,
-                         cfg: ModelConfig, acfg: AdvantageConfig) -> tuple[UpdateBatch, dict]:
-    """Recompute log-probs, features and values, place rewards, run the backup.
+                         cfg: ModelConfig, acfg: AdvantageConfig, shapes: PrepareShapes | None = None,
+                         keep_contexts: bool = False) -> tuple[UpdateBatch, dict]:
+    """Old log-probs, features and values, placed rewards, the backup.
 
+    Args:
+      shapes: the run's packed-shape caches (a fresh one per call when None: more compiles).
+      keep_contexts: keep the padded contexts in the batch (the update's padded path, or a
+        critic LoRA that recomputes its features); otherwise ``ctx_tokens``/``ctx_valid`` are None
+        and the update reads packed rows.
     Returns the :class:`UpdateBatch` (device arrays) and host metrics (explained variance,
-    sampler/trainer log-prob mismatch, mean value).
+    sampler/trainer log-prob mismatch, mean value, token counts of the pass).
     """
-    S, B, N, L, K = traj.shape
+    shapes = shapes or PrepareShapes()
     token_level = acfg.level == "token"
-    agents = np.broadcast_to(np.arange(N, dtype=np.int32)[None, None, :], (S, B, N)).reshape(-1)
-    flat = [np.asarray(_flat(getattr(traj, f))) for f in ("ctx_tokens", "ctx_valid", "act_tokens", "act_valid")]
-    rows = min(acfg.rows_per_call, agents.size)
-
-    def call(agent, ctx, ctx_valid, act, act_valid):
-        return _logp_and_feats(base, lora, critic.lora, agent, ctx, ctx_valid, act, act_valid,
-                               acfg.temperature, cfg=cfg, token_level=token_level, chunk=acfg.chunk)
-
-    logp, ent, feats = _batched(call, [agents] + flat, rows)
-    logp = logp.reshape(S, B, N, K)
-    feats = feats.reshape((S, B, N) + feats.shape[1:])
+    valid, computed = 0, 0
+    from_sampler = acfg.logp_old == "sampler" and traj.policy_logp is not None
+    if from_sampler:
+        logp, ent = np.asarray(traj.policy_logp), np.asarray(traj.entropy)
+    else:
+        logp, ent, st = recompute_logprobs(base, lora, traj, cfg=cfg, temperature=acfg.temperature,
+                                           chunk=acfg.chunk, policy=shapes.logprobs)
+        valid, computed = valid + st["valid_tokens"], computed + st["computed_tokens"]
+    feats, boot_feats, st = critic_features(base, critic, traj, cfg=cfg, token_level=token_level,
+                                            tokens_per_call=acfg.tokens_per_call, policy=shapes.features)
+    valid, computed = valid + st["valid_tokens"], computed + st["computed_tokens"]
     value = np.asarray(value_head(critic.head, jnp.asarray(feats)))
-
-    boot_rows = traj.boot_ctx_tokens.shape[0] * traj.boot_ctx_tokens.shape[1]
-    bt = np.asarray(traj.boot_ctx_tokens).reshape(boot_rows, L)
-    bv = np.asarray(traj.boot_ctx_valid).reshape(boot_rows, L)
-    need = bv.any(-1)
-    v_boot = np.zeros((boot_rows,), np.float32)
-    if need.any():
-        idx = np.flatnonzero(need)
-        bf = _batched(lambda c, v: _boot_feats(base, critic.lora, c, v, cfg=cfg), [bt[idx], bv[idx]], rows)
-        v_boot[idx] = np.asarray(value_head(critic.head, jnp.asarray(bf)))
-    v_boot = v_boot.reshape(B, N)
+    v_boot = np.where(np.asarray(traj.boot_ctx_valid).any(-1),
+                      np.asarray(value_head(critic.head, jnp.asarray(boot_feats))), 0.0).astype(np.float32)
 
     act_valid = jnp.asarray(traj.act_valid)
     value, dp, placed, adv, ret = _advantages(
         jnp.asarray(value), act_valid, jnp.asarray(traj.step_mask), jnp.asarray(traj.score),
         jnp.asarray(traj.agent_score), jnp.asarray(traj.terminal), jnp.asarray(traj.truncated),
         jnp.asarray(v_boot), acfg=acfg)
-    batch = UpdateBatch(ctx_tokens=jnp.asarray(traj.ctx_tokens), ctx_valid=jnp.asarray(traj.ctx_valid),
+    ctx = (jnp.asarray(traj.ctx_tokens), jnp.asarray(traj.ctx_valid)) if keep_contexts else (None, None)
+    batch = UpdateBatch(ctx_tokens=ctx[0], ctx_valid=ctx[1],
                         act_tokens=jnp.asarray(traj.act_tokens), act_valid=act_valid,
                         logp_old=jnp.asarray(logp), adv=adv, ret=ret, v_old=value, dp_mask=dp,
                         feats=jnp.asarray(feats), word_count=jnp.asarray(traj.word_count))
     metrics = _prepare_metrics(np.asarray(value), np.asarray(ret), np.asarray(dp), np.asarray(placed),
-                               logp, np.asarray(traj.sample_logp), np.asarray(traj.act_valid), ent)
+                               None if from_sampler else logp, np.asarray(traj.sample_logp),
+                               np.asarray(traj.act_valid), ent)
+    metrics["perf/tokens/prepare/valid"] = valid
+    metrics["perf/tokens/prepare/computed"] = computed
     return batch, metrics
 
 
@@ -156,12 +224,14 @@ def _prepare_metrics(value, ret, dp, placed, logp, sample_logp, act_valid, ent) 
     v, r = value[dp], ret[dp]
     var_r = float(np.var(r)) if r.size else 0.0
     ev = 1.0 - float(np.var(r - v)) / var_r if var_r > 1e-12 else 0.0
-    diff = np.abs(logp - sample_logp)[act_valid]
-    return {
+    m = {}
+    if logp is not None:  # recomputed: how far the sampler's log-probs are from the training forward's
+        diff = np.abs(logp - sample_logp)[act_valid]
+        m["rollout/logp_mismatch"] = float(diff.mean()) if diff.size else 0.0
+    return m | {
         "critic/explained_var": ev,
         "critic/value_mean": float(v.mean()) if v.size else 0.0,
         "critic/return_mean": float(r.mean()) if r.size else 0.0,
-        "rollout/logp_mismatch": float(diff.mean()) if diff.size else 0.0,
         "rollout/entropy": float(ent.reshape(act_valid.shape)[act_valid].mean()) if act_valid.any() else 0.0,
         "rewards/placed_sum_mean": float(placed.reshape(placed.shape[0], placed.shape[1], -1).sum((0, 2)).mean()),
     }

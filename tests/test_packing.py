@@ -1,0 +1,196 @@
+"""Sequence packing: placements, packed forwards equal padded ones, the packed update equals the padded one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from marft_jax.models import decoder, logprobs
+from marft_jax.models.config import ModelConfig
+from marft_jax.models.lora import LoraConfig, init_lora
+from marft_jax.rl import packing
+from marft_jax.rl.update import UpdateBatch, UpdateConfig, ppo_update
+from marft_jax.train.state import OptimConfig, init_train_state
+
+CFG = ModelConfig(arch="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
+                  num_heads=4, num_kv_heads=2, head_dim=8)
+
+
+def test_first_fit_decreasing_places_without_overlap():
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(0, 50, 40)
+    place = packing.first_fit_decreasing(lengths, 64)
+    used = np.zeros((place.rows, 64), int)
+    for n, r, o in zip(lengths, place.row, place.start):
+        used[r, o:o + n] += 1
+    assert used.max() == 1
+    assert used.sum() == lengths.sum()
+    assert place.rows <= int(np.ceil(lengths.sum() / 64 * 11 / 9)) + 1   # FFD's bound
+    with pytest.raises(ValueError, match="does not fit"):
+        packing.first_fit_decreasing([65], 64)
+
+
+def test_shape_policy_reuses_a_fitting_shape():
+    pol = packing.ShapePolicy()
+    r1, t1 = pol.choose([[100, 90, 30], [50]])
+    assert t1 >= 100 and t1 % packing.ROW_ALIGN == 0
+    again = pol.choose([[95, 80, 20], [40]])
+    assert again == (r1, t1) and len(pol.seen) == 1
+    bigger = pol.choose([[400, 300]])
+    assert bigger[1] >= 400 and len(pol.seen) == 2
+
+
+def _tiny(seed=0):
+    base = decoder.init_params(jax.random.key(seed), CFG, std=0.3)
+    lora = init_lora(jax.random.key(seed + 1), CFG, LoraConfig(rank=4), 3)
+    lora = lora.replace(b={k: 0.3 * jax.random.normal(jax.random.key(seed + 2), v.shape) for k, v in lora.b.items()})
+    return base, lora
+
+
+def _random_rows(rng, n, L, K):
+    ctx = rng.integers(1, CFG.vocab_size, (n, L)).astype(np.int32)
+    ctx_valid = np.arange(L) >= rng.integers(0, L - 1, (n, 1))
+    act = rng.integers(1, CFG.vocab_size, (n, K)).astype(np.int32)
+    act_valid = np.arange(K) < rng.integers(0, K + 1, (n, 1))
+    return ctx, ctx_valid, act, act_valid
+
+
+def test_packed_logprobs_equal_padded():
+    base, lora = _tiny()
+    rng = np.random.default_rng(1)
+    n, L, K = 7, 12, 6
+    ctx, cv, act, av = _random_rows(rng, n, L, K)
+    agent = jnp.int32(1)
+    ref_lp, ref_ent = logprobs.action_logprobs(base, lora, agent, ctx, cv, act, av, 0.7, cfg=CFG)
+    seqs = [packing.sequence(ctx[j], cv[j], act[j], av[j]) for j in range(n)]
+    rows, t = 4, 32
+    packed, gather = packing.pack_group(seqs, np.maximum(cv.sum(-1) - 1, 0), K, rows, t)
+    assert packing.first_fit_decreasing([len(s) for s in seqs], t).rows <= rows
+    lp, ent = jax.jit(logprobs.packed_action_logprobs_fn, static_argnames=("cfg",))(
+        base, lora, agent, jax.tree.map(jnp.asarray, packed), jnp.asarray(gather), act, av, 0.7, cfg=CFG)
+    np.testing.assert_allclose(np.asarray(lp), np.asarray(ref_lp), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(ent), np.asarray(ref_ent), atol=2e-5)
+
+
+def _update_setup(level, seed=0, S=2, B=4, N=2, L=10, K=5):
+    rng = np.random.default_rng(seed)
+    base = decoder.init_params(jax.random.key(seed), CFG, std=0.3)
+    optim = OptimConfig(policy_lr=3e-2, critic_lr=1e-2, eps=1e-3)
+    state = init_train_state(jax.random.key(seed + 1), CFG, LoraConfig(rank=4), N, optim)
+    ctx = rng.integers(1, CFG.vocab_size, (S, B, N, L)).astype(np.int32)
+    cv = np.arange(L) >= rng.integers(0, L - 2, (S, B, N, 1))
+    act = rng.integers(1, CFG.vocab_size, (S, B, N, K)).astype(np.int32)
+    lens = rng.integers(1, K + 1, (S, B, N))
+    av = np.arange(K) < lens[..., None]
+    cv[1, 0] = False                                     # an unplayed step of row 0
+    av[1, 0] = False
+    dp = av.any(-1) if level == "action" else av
+    logp_old = np.where(av, -rng.uniform(2, 5, av.shape), 0).astype(np.float32)
+    adv = np.where(dp, rng.normal(size=dp.shape), 0).astype(np.float32)
+    ret = np.where(dp, rng.normal(size=dp.shape), 0).astype(np.float32)
+    feats = rng.normal(size=dp.shape + (CFG.hidden_size,)).astype(np.float32)
+    batch = UpdateBatch(ctx_tokens=jnp.asarray(ctx), ctx_valid=jnp.asarray(cv), act_tokens=jnp.asarray(act),
+                        act_valid=jnp.asarray(av), logp_old=jnp.asarray(logp_old), adv=jnp.asarray(adv),
+                        ret=jnp.asarray(ret), v_old=jnp.zeros(dp.shape), dp_mask=jnp.asarray(dp),
+                        feats=jnp.asarray(feats), word_count=jnp.asarray(lens.astype(np.int32)))
+    return base, state, batch, optim
+
+
+@pytest.mark.parametrize("level", ["action", "token"])
+def test_packed_update_equals_padded(level):
+    base, state, batch, optim = _update_setup(level)
+    ucfg = UpdateConfig(level=level, optim=optim, kl_stop=None, ent_coef=0.01, epochs=2, num_minibatches=2,
+                        micro_batches=2)
+    mask, flag = jnp.ones((2,), bool), jnp.asarray(True)
+    copy = lambda t: jax.tree.map(jnp.copy, t)
+    ref_state, ref_met = ppo_update(base, copy(state), batch, mask, flag, cfg=CFG, ucfg=ucfg)
+
+    perms = packing.minibatch_perms(state.rng, 4, 2, 2)
+    host = jax.tree.map(np.asarray, batch)
+    plan, stats = packing.plan_update(host.ctx_tokens, host.ctx_valid, host.act_tokens, host.act_valid, perms,
+                                      micro_batches=2, policy=packing.ShapePolicy())
+    assert stats["computed_tokens"] >= stats["valid_tokens"] > 0
+    packed_batch = batch.replace(ctx_tokens=None, ctx_valid=None)
+    new_state, met = ppo_update(base, copy(state), packed_batch, mask, flag, cfg=CFG, ucfg=ucfg,
+                                plan=jax.tree.map(jnp.asarray, plan))
+    for a, b in zip(jax.tree.leaves(ref_state.lora), jax.tree.leaves(new_state.lora)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    for a, b in zip(jax.tree.leaves(ref_met), jax.tree.leaves(met)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4, rtol=1e-4)
+    assert not np.allclose(np.asarray(jax.tree.leaves(state.lora)[0]), np.asarray(jax.tree.leaves(new_state.lora)[0]))
+
+
+def test_plan_update_rejects_bad_micro_batches():
+    base, state, batch, _ = _update_setup("action")
+    host = jax.tree.map(np.asarray, batch)
+    perms = packing.minibatch_perms(state.rng, 4, 1, 1)
+    with pytest.raises(ValueError, match="ppo.micro_batches"):
+        packing.plan_update(host.ctx_tokens, host.ctx_valid, host.act_tokens, host.act_valid, perms,
+                            micro_batches=3, policy=packing.ShapePolicy())
+
+
+def _trajectory(seed=0, S=2, B=3, N=2, L=12, K=5):
+    from marft_jax.rl.trajectory import Trajectory
+
+    rng = np.random.default_rng(seed)
+    ctx = rng.integers(1, CFG.vocab_size, (S, B, N, L)).astype(np.int32)
+    cv = np.arange(L) >= rng.integers(0, L - 2, (S, B, N, 1))
+    act = rng.integers(1, CFG.vocab_size, (S, B, N, K)).astype(np.int32)
+    av = np.arange(K) < rng.integers(1, K + 1, (S, B, N, 1))
+    step_mask = np.ones((S, B), bool)
+    step_mask[1, 2] = False
+    cv[1, 2], av[1, 2] = False, False
+    boot = rng.integers(1, CFG.vocab_size, (B, N, L)).astype(np.int32)
+    boot_valid = np.zeros((B, N, L), bool)
+    boot_valid[0, :, 3:] = True
+    z = np.zeros((S, B, N), np.float32)
+    return Trajectory(ctx_tokens=ctx, ctx_valid=cv, act_tokens=act, act_valid=av, sample_logp=np.zeros(av.shape, np.float32),
+                      word_count=z.astype(np.int32), step_mask=step_mask, terminal=np.zeros((S, B), bool),
+                      truncated=np.zeros((S, B), bool), score=np.zeros((S, B), np.float32), agent_score=z,
+                      boot_ctx_tokens=boot, boot_ctx_valid=boot_valid, budget_clipped=z.astype(bool))
+
+
+@pytest.mark.parametrize("token_level", [False, True])
+def test_packed_critic_features_equal_padded(token_level):
+    from marft_jax.models.critic import CriticParams, critic_features_fn, init_value_head
+    from marft_jax.train import prepare
+
+    base, _ = _tiny()
+    traj = _trajectory()
+    critic = CriticParams(head=init_value_head(jax.random.key(3), CFG.hidden_size))
+    feats, boot, stats = prepare.critic_features(base, critic, traj, cfg=CFG, token_level=token_level,
+                                                 tokens_per_call=64, policy=packing.ShapePolicy())
+    S, B, N, L, K = traj.shape
+    flat = lambda x: jnp.asarray(x).reshape((-1,) + x.shape[3:])
+    ref = critic_features_fn(base, flat(traj.ctx_tokens), flat(traj.ctx_valid), flat(traj.act_tokens),
+                             flat(traj.act_valid), cfg=CFG, token_level=token_level)
+    ref = np.asarray(ref).reshape(feats.shape)
+    played = np.asarray(traj.step_mask)[:, :, None] & np.ones((1, 1, N), bool)
+    if token_level:   # positions past an action's end read different (masked) states
+        played = played[..., None] & np.asarray(traj.act_valid)
+    np.testing.assert_allclose(feats[played], ref[played], atol=1e-5)
+    ref_boot = critic_features_fn(base, jnp.asarray(traj.boot_ctx_tokens[0]), jnp.asarray(traj.boot_ctx_valid[0]),
+                                  jnp.zeros((N, 1), jnp.int32), jnp.zeros((N, 1), bool), cfg=CFG, token_level=False)
+    np.testing.assert_allclose(boot[0], np.asarray(ref_boot), atol=1e-5)
+    assert stats["computed_tokens"] >= stats["valid_tokens"]
+
+
+def test_recomputed_logprobs_equal_padded():
+    from marft_jax.train import prepare
+
+    base, lora = _tiny()
+    lora = jax.tree.map(lambda x: x[:2], lora)
+    traj = _trajectory()
+    logp, ent, _ = prepare.recompute_logprobs(base, lora, traj, cfg=CFG, temperature=0.8, chunk=128,
+                                              policy=packing.ShapePolicy())
+    S, B, N, L, K = traj.shape
+    for i in range(N):
+        sl = lambda x: jnp.asarray(x[:, :, i]).reshape((S * B,) + x.shape[3:])
+        ref, ref_ent = logprobs.action_logprobs(base, lora, jnp.int32(i), sl(traj.ctx_tokens), sl(traj.ctx_valid),
+                                                sl(traj.act_tokens), sl(traj.act_valid), 0.8, cfg=CFG)
+        np.testing.assert_allclose(logp[:, :, i].reshape(S * B, K), np.asarray(ref), atol=2e-5)
+        np.testing.assert_allclose(ent[:, :, i].reshape(S * B, K), np.asarray(ref_ent), atol=2e-5)
