@@ -24,6 +24,7 @@ from marft_jax.rl import rollout as rollout_lib
 from marft_jax.rl.rollout import Generation, RolloutConfig, Team
 from marft_jax.rl.update import UpdateConfig, ppo_update
 from marft_jax.sampling.sampler import Sampler, SamplingConfig
+from marft_jax.train import memory_plan
 from marft_jax.train.compile_count import CompileCounter, compile_metrics
 from marft_jax.train.prepare import AdvantageConfig, PrepareShapes, prepare_update_batch
 from marft_jax.train.state import TrainState
@@ -92,6 +93,7 @@ class TeamLearner:
     # Compiled packed shapes of this run, reused while they fit (few compiles, bounded padding).
     prepare_shapes: PrepareShapes = dataclasses.field(default_factory=PrepareShapes)
     update_shapes: packing.ShapePolicy = dataclasses.field(default_factory=packing.ShapePolicy)
+    _checked_updates: set = dataclasses.field(default_factory=set, repr=False)
 
     def play(self, state: TrainState, problems: Sequence[Problem], key, sampling: SamplingConfig | None = None,
              rollout_cfg: RolloutConfig | None = None):
@@ -144,6 +146,7 @@ class TeamLearner:
         mask, train_policy = self.train_mask(iteration, env_samples)
         t2 = time.perf_counter()
         plan, pstats = self.update_plan(state, traj)
+        self.check_update_memory(state, batch, plan, mask, train_policy)
         state, upd = ppo_update(self.base, state, batch, jnp.asarray(mask), jnp.asarray(train_policy),
                                 cfg=self.cfg, ucfg=self.update_cfg, plan=plan)
         jax.block_until_ready(state.lora)
@@ -171,6 +174,22 @@ class TeamLearner:
         metrics["perf/rollout_tokens_per_s"] = gen_tok / max(timings["timing_s/rollout"], 1e-9)
         metrics["env_samples"] = env_samples + int(np.asarray(traj.step_mask).sum())
         return state, metrics, texts
+
+    def check_update_memory(self, state: TrainState, batch, plan, mask, train_policy) -> None:
+        """Before the first update of each new shape: compile it (jit's cache keeps the program)
+        and raise :class:`~marft_jax.train.memory_plan.MemoryPlanError`, naming the keys to
+        lower, when its memory plan exceeds what the machine can give."""
+        key = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves((batch, plan)))
+        if key in self._checked_updates:
+            return
+        _, planned = memory_plan.plan_of(ppo_update, self.base, state, batch, jnp.asarray(mask),
+                                         jnp.asarray(train_policy), cfg=self.cfg, ucfg=self.update_cfg, plan=plan)
+        s, b, n, k = batch.act_tokens.shape
+        rows = "padded" if plan is None else "packed rows {}x{}".format(*plan.rows.tokens.shape[-2:])
+        name = f"ppo_update (steps {s}, rows {b}, agents {n}, actions {k}, {rows})"
+        memory_plan.check_fits({name: planned}, memory_plan.available_bytes(),
+                               keys_to_lower=memory_plan.UPDATE_KEYS)
+        self._checked_updates.add(key)
 
     def update_plan(self, state: TrainState, traj) -> tuple[packing.UpdatePlan | None, dict]:
         """The packed policy inputs of this iteration's update (None: the padded layout), and
