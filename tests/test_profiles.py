@@ -36,6 +36,12 @@ EXPECTED = {
         ("verifier", "Check the actor's work, for example by substituting back or by another "
                      "method, and fix any error. Give the final answer in \\boxed{}."),
     ],
+    "math/dual": [  # G1's sample-run team (reasoner -> actor); the actor answers
+        ("reasoner", "Work out what is asked, which facts matter and which strategy fits. "
+                     "Do not compute the result."),
+        ("actor", "Follow the reasoner's strategy and work the solution out in full, with "
+                  "every calculation. " + MATH_FINAL),
+    ],
     "math/quad": [
         ("decomposer", "Split the problem into smaller sub-questions as a numbered list. "
                        "Do not solve them."),
@@ -70,6 +76,7 @@ def test_all_names_resolve():
         for team in ("single", "duo", "trio", "quad", "duo-anonymous", "trio-anonymous",
                      "quad-anonymous"):
             assert f"{kind}/{team}" in names
+    assert "math/dual" in names            # the reference G1 sample run's team
     for name in names:
         ps = load_profiles(name)
         assert ps.name == name and ps.kind == name.split("/")[0]

@@ -1,0 +1,553 @@
+"""One whole MARFT training iteration: ours vs the reference (G1) pipeline in PyTorch, one run.
+
+Prints ONE JSON object (the last stdout line). Both sides play the same problems with the same
+host code (:func:`marft_jax.rl.rollout.rollout`: same prompts, same scorer), from the same
+initial weights (the model, our initial LoRA stack and critic head), and each runs in its own
+subprocess, so ``peak_rss_bytes`` (``ru_maxrss``) is per side.
+
+**Ours**: :meth:`TeamLearner.iteration` built by ``build_run(load_config(...))``. Warm-up
+iteration(s) first, on the measured iteration's problems and sampling key, so they compile the
+programs the measured one runs (``warmup_s``; ``compile_s`` = the first warm-up minus the
+measured iteration; XLA backend compile time is also summed by a ``jax.monitoring`` listener,
+``backend_compile_s``, and should be ~0 in the measured iteration). Stage times are the
+iteration's metrics ``timing_s/rollout``, ``timing_s/values_logprobs_backup`` (old log-probs,
+critic features, backup) and ``timing_s/update``.
+
+**Reference**: :mod:`marft_jax.bench.g1_pipeline`: HF ``generate`` (T / top-k of the workload,
+fresh ``GenerationConfig``) with one PEFT model copy per agent as the rollout's generate
+function, G1's critic and two-forward log-prob passes over padded batches with the
+``[B, 1, K, V]`` log-softmax, G1's Python-loop backup, then ``bench/update.py``'s
+``G1Baseline`` step on the played steps. A 2-token ``generate`` per agent warms it up.
+
+Per stage and side: seconds, ``valid_tokens`` / ``computed_tokens`` (real tokens / padded
+positions the stage's passes read: for the rollout, prompts + generated tokens / the prefill's
+prompt bucket x batch bucket plus one token per row and decode step; for the other stages,
+summed over their forward passes as our ``perf/tokens/{prepare,update}/{valid,computed}``
+metrics define them: ours reads those metrics (``token_counts``: ``metrics``, else ``shapes``
+from the padded layout); the reference counts each critic, ``rho`` and ``pi`` forward),
+analytic matmul FLOPs of what that side computes (``bench/update.py``'s counting; ours per
+computed token, with the update's backward, HAPPO forwards and remat recompute), FLOP/s, and
+the fraction of that side's float32 matmul roofline measured in the same process (``jnp`` for
+ours, ``torch`` for the reference; best of before and after).
+``ratio_per_env_step`` = reference seconds per env step / ours (env step = one played
+(step, row), as ``env_samples`` counts them; both sides may play a different number when
+episodes end on a correct answer).
+
+Workloads: ``reference`` (the G1 sample run: dual team, MATH, 4 rows x horizon 3, 128 new
+tokens, T 0.5 / top-k 50, G1 raw prompts, APPO, SmolLM2-135M, float32, remat), ``long``
+(8 rows, horizon 1, 512 new tokens, long MATH problems so the actor's contexts reach ~1k
+tokens), ``tiny`` (a random 2-layer model written to a temporary directory, generated
+arithmetic; the smoke test). ``--no-eos`` removes the stop tokens on both sides, so every
+response runs to the token budget and both sides do the same work.
+
+Usage::
+
+    python -m marft_jax.bench.iteration --workload reference          # = marft-jax bench iteration
+    python -m marft_jax.bench.iteration --workload long --no-eos
+    python -m marft_jax.bench.iteration --workload reference --rows 2 --horizon 1   # reduced
+    python -m marft_jax.bench.iteration --workload tiny --roofline-n 128          # seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+STAGES = ("rollout", "values_logprobs_backup", "update")
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_MATH = REPO.parent / "shared" / "data" / "math_train.json"
+
+# A random 2-layer Llama with the embedded SmolLM2 tokenizer's vocabulary (the smoke workload).
+TINY_CONFIG = {
+    "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 49152,
+    "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "head_dim": 8, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+    "tie_word_embeddings": True, "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
+    "hidden_act": "silu",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A named run: config overrides, and an optional agent-0 context length range (tokens) the
+    chosen problems must fall in (taken in the task's seeded order)."""
+
+    name: str
+    overrides: tuple[str, ...]
+    agent0_context: tuple[int, int] | None = None
+
+
+_COMMON = ("model.dtype=float32", "model.remat=true", "algo.level=action", "ppo.epochs=1",
+           "ppo.num_minibatches=1", "ppo.micro_batches=1", "rollout.temperature=0.5", "rollout.top_k=50",
+           "rollout.top_p=1.0", "rollout.prompt_format=g1_raw", "rollout.mode=sequential",
+           "team.num_agents=2", "train.scoring_workers=0", "train.iterations=1")
+
+
+def workload(name: str, *, math_path: str, model_dir: str | None = None) -> Workload:
+    if name == "reference":
+        return Workload(name, _COMMON + ("model.name=smollm2-135m", "task.name=math", f"task.path={math_path}",
+                                         "team.profile=math/dual", "rollout.rows=4", "rollout.horizon=3",
+                                         "rollout.max_new_tokens=128", "rollout.context_window=2048"))
+    if name == "long":
+        # agent 0 reads 380-480 tokens; the actor then reads that + the reasoner's 512 (~0.9-1k)
+        return Workload(name, _COMMON + ("model.name=smollm2-135m", "task.name=math", f"task.path={math_path}",
+                                         "team.profile=math/dual", "rollout.rows=8", "rollout.horizon=1",
+                                         "rollout.max_new_tokens=512", "rollout.context_window=2048"),
+                        agent0_context=(380, 480))
+    if name == "tiny":
+        if model_dir is None:
+            raise ValueError("the tiny workload needs --model-dir (the parent process writes one)")
+        return Workload(name, _COMMON + (f"model.name={model_dir}", "task.name=arithmetic", "task.train_size=50",
+                                         "task.test_size=10", "team.profile=math/duo-short", "rollout.rows=2",
+                                         "rollout.horizon=2", "rollout.max_new_tokens=8",
+                                         "rollout.context_window=512"))
+    raise ValueError(f"unknown workload {name!r}; known: reference, long, tiny")
+
+
+def write_tiny_model(root: Path) -> Path:
+    """config.json, random model.safetensors and the embedded SmolLM2 tokenizer (no network)."""
+    from safetensors.numpy import save_file
+
+    from marft_jax.models import gguf_loader, registry
+    from marft_jax.models.config import ModelConfig
+    from marft_jax.models.weights import expected_shapes
+
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "config.json").write_text(json.dumps(TINY_CONFIG))
+    rng = np.random.default_rng(0)
+    tensors = {name: (1.0 + 0.1 * rng.standard_normal(shape) if "norm" in name
+                      else 0.2 * rng.standard_normal(shape)).astype(np.float32)
+               for name, shape in expected_shapes(ModelConfig.from_hf(TINY_CONFIG)).items()}
+    save_file(tensors, str(root / "model.safetensors"))
+    gguf_loader.gguf_tokenizer(registry.embedded_gguf_path()).save_pretrained(str(root))
+    return root
+
+
+def config_for(args) -> tuple[Workload, Any]:
+    from marft_jax.config import load_config
+
+    wl = workload(args.workload, math_path=args.math_path, model_dir=args.model_dir)
+    extra = []
+    if args.rows is not None:
+        extra.append(f"rollout.rows={args.rows}")
+    if args.horizon is not None:
+        extra.append(f"rollout.horizon={args.horizon}")
+    if args.new_tokens is not None:
+        extra.append(f"rollout.max_new_tokens={args.new_tokens}")
+    return wl, load_config(None, list(wl.overrides) + extra + list(args.overrides))
+
+
+def select_problems(run, wl: Workload, rows: int) -> list:
+    """The first ``rows`` training problems in the task's seeded order (within the workload's
+    agent-0 context range, if it has one), the same on both sides."""
+    from marft_jax.rl import rollout as rollout_lib
+
+    cfg = run.learner.rollout_cfg
+    out = []
+    for p in run.task.problems("train", run.config.train.seed):
+        if wl.agent0_context is not None:
+            n = len(rollout_lib._context(run.team, p, 0, [], [], cfg, run.tokenizer))
+            if not wl.agent0_context[0] <= n <= wl.agent0_context[1]:
+                continue
+        out.append(p)
+        if len(out) == rows:
+            return out
+    raise ValueError(f"workload {wl.name!r}: only {len(out)} problems fit (need {rows})")
+
+
+def _stage(s: float, valid: int, computed: int, flops: float, roofline: float) -> dict:
+    return {"s": s, "valid_tokens": int(valid), "computed_tokens": int(computed), "flops": flops,
+            "flops_per_s": flops / max(s, 1e-12), "roofline_fraction": flops / max(s, 1e-12) / roofline}
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+# ----------------------------------------------------------------------------------------------
+# Ours.
+
+
+class CountingSampler:
+    """Wraps our :class:`~marft_jax.sampling.sampler.Sampler`: counts valid / computed tokens and
+    FLOPs of every call from its padded shapes (prompt bucket x batch bucket for the prefill, one
+    token per row and decode step, each step attending over its decode phase's cache bound);
+    compaction of finished rows is not seen from outside, so with EOS on this is an upper bound
+    (exact with ``no_eos``: no row finishes early). With ``no_eos`` it removes the stop set."""
+
+    def __init__(self, inner, cfg, no_eos: bool):
+        from marft_jax.bench.g1_pipeline import StageWork
+
+        self.inner, self.cfg, self.no_eos = inner, cfg, no_eos
+        self.work = StageWork()
+
+    def __call__(self, params, prompts, *, key, config, stop_ids=None, **kw):
+        from marft_jax.bench.g1_pipeline import decode_flops
+        from marft_jax.sampling import buckets
+        from marft_jax.sampling import sampler as sampler_lib
+
+        out = self.inner(params, prompts, key=key, config=config, stop_ids=() if self.no_eos else stop_ids, **kw)
+        s = self.inner
+        pad_kw = dict(pad_id=s.pad_id, min_length=s.min_prompt_bucket, max_length=s.max_prompt_len,
+                      min_batch=s.min_batch, max_batch=s.max_batch)
+        if hasattr(s, "fine_above"):
+            pad_kw["fine_above"] = s.fine_above
+        b, plen = buckets.pad_prompts(prompts, **pad_kw).tokens.shape
+        max_new = config.max_new_tokens
+        phases = sampler_lib.decode_phases(plen, max_new) if hasattr(sampler_lib, "decode_phases") else (max_new,)
+        keys_at = lambda t: plen + min((n for n in phases if n > t), default=max_new)
+        steps = int(out.steps)
+        self.work.add(sum(len(p) for p in prompts) + int(np.asarray(out.lengths).sum()),
+                      b * plen + b * max(steps - 1, 0), decode_flops(self.cfg, b, plen, steps, keys_at))
+        return out
+
+
+def ours_prepare_update_work(mcfg, traj, m: dict, adv_cfg, update_cfg) -> tuple[dict, str]:
+    """``{"prepare"|"update": (valid, computed, flops)}`` and where the token counts came from.
+
+    Token counts: the iteration's ``perf/tokens/{prepare,update}/{valid,computed}`` metrics (the
+    packed or padded inputs of the feature pass, the old-log-prob recompute if any, and the
+    update's policy forwards once per epoch), else the padded layout. FLOPs: those computed
+    tokens through the decoder blocks, attention over half the mean sequence (the mean valid
+    context + response of a played decision), LM head at the action positions where logits are
+    formed; the update counts forward + backward (1x blocks: the base is frozen; 2x head),
+    HAPPO's extra forwards and the remat recompute (``bench/update.py``'s ``ours_flops``
+    structure, applied per token)."""
+    S, B, N, L, K = traj.shape
+    played = np.asarray(traj.step_mask)[:, :, None] & np.ones((1, 1, N), bool)
+    ctx_len = np.asarray(traj.ctx_valid).sum(-1)[played]
+    act_len = np.asarray(traj.act_valid).sum(-1)[played]
+    acts = int(act_len.sum())
+    seq_mean = float((ctx_len + act_len).mean()) if ctx_len.size else 1.0
+    head = 2.0 * mcfg.hidden_size * mcfg.vocab_size
+    body = mcfg.flops_per_token(int(seq_mean) // 2) - head                # per token through the blocks
+    recompute = getattr(adv_cfg, "logp_old", "recompute") == "recompute"
+    epochs = update_cfg.epochs
+    happo = (N - 1) / N if update_cfg.happo_weighting else 0.0
+    remat = 1.0 if update_cfg.remat else 0.0
+    valid = int(ctx_len.sum() + act_len.sum())
+    source = "metrics"
+    prep = (m.get("perf/tokens/prepare/valid"), m.get("perf/tokens/prepare/computed"))
+    if prep[0] is None or prep[1] is None:
+        source = "shapes"
+        prep = (int(ctx_len.sum()) + valid * recompute, S * B * N * (L + (L + K) * recompute))
+    upd = (m.get("perf/tokens/update/valid"), m.get("perf/tokens/update/computed"))
+    if upd[0] is None or upd[1] is None:
+        source = "shapes"
+        upd = (valid * epochs, epochs * S * B * N * (L + K))
+    prep_flops = prep[1] * body + (acts * head if recompute else 0.0)
+    upd_flops = upd[1] * body * (2.0 + happo + remat) + epochs * acts * head * (3.0 + happo)
+    return {"prepare": (int(prep[0]), int(prep[1]), prep_flops),
+            "update": (int(upd[0]), int(upd[1]), upd_flops)}, source
+
+
+def run_ours(args) -> dict:
+    import jax
+
+    from marft_jax.bench.sampler import matmul_roofline_flops
+    from marft_jax.train.build import build_run, lora_config, optim_config
+    from marft_jax.train.state import init_train_state
+
+    wl, cfg = config_for(args)
+    compile_s = [0.0]
+
+    def on_event(event: str, duration: float, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compile_s[0] += duration
+
+    jax.monitoring.register_event_duration_secs_listener(on_event)
+    run = build_run(cfg)
+    try:
+        learner = run.learner
+        mcfg = run.model.cfg
+        counter = CountingSampler(learner.sampler, mcfg, args.no_eos)
+        learner.sampler = counter
+        captured: dict[str, Any] = {}
+        play = learner.play
+
+        def capture_play(*a, **k):
+            captured["traj"], texts = play(*a, **k)
+            return captured["traj"], texts
+
+        learner.play = capture_play
+        n = cfg.team.num_agents
+        state = init_train_state(jax.random.key(cfg.train.seed), mcfg, lora_config(cfg), n,
+                                 optim_config(cfg, cfg.train.iterations), critic_lora=cfg.ppo.critic_lora)
+        problems = select_problems(run, wl, cfg.rollout.rows)
+        key = jax.random.fold_in(jax.random.key(cfg.train.seed + 1), 0)
+        roof = [matmul_roofline_flops(args.roofline_n)]
+        warmup_s, warmup_compile_s = [], []
+        for w in range(args.warmup):
+            compile_s[0] = 0.0
+            t0 = time.perf_counter()
+            state, _, _ = learner.iteration(state, problems, iteration=w, env_samples=0, key=key)
+            warmup_s.append(time.perf_counter() - t0)
+            warmup_compile_s.append(compile_s[0])
+        counter.work = type(counter.work)()
+        compile_s[0] = 0.0
+        t0 = time.perf_counter()
+        state, m, _ = learner.iteration(state, problems, iteration=args.warmup, env_samples=0, key=key)
+        wall = time.perf_counter() - t0
+        measured_compile = compile_s[0]
+        roof.append(matmul_roofline_flops(args.roofline_n))
+    finally:
+        run.close()
+    roofline = max(roof)
+    traj = captured["traj"]
+    S, B, N, L, K = traj.shape
+    work, source = ours_prepare_update_work(mcfg, traj, m, learner.adv_cfg, learner.update_cfg)
+    stages = {
+        "rollout": _stage(m["timing_s/rollout"], counter.work.valid_tokens, counter.work.computed_tokens,
+                          counter.work.flops, roofline),
+        "values_logprobs_backup": _stage(m["timing_s/values_logprobs_backup"], *work["prepare"], roofline),
+        "update": _stage(m["timing_s/update"], *work["update"], roofline),
+    }
+    env_steps = int(np.asarray(traj.step_mask).sum())
+    return {
+        "side": "ours", "env_steps": env_steps, "s": wall, "s_per_env_step": wall / env_steps,
+        "stages": stages, "peak_rss_bytes": _peak_rss_bytes(), "token_counts": source,
+        "warmup_s": warmup_s, "compile_s": max(warmup_s[0] - wall, 0.0) if warmup_s else None,
+        "backend_compile_s": {"warmup": warmup_compile_s, "measured": measured_compile},
+        "sampler_calls": counter.work.calls, "shapes": {"S": S, "B": B, "N": N, "L": L, "K": K},
+        "logp_old": getattr(learner.adv_cfg, "logp_old", "recompute"),
+        "pack_sequences": getattr(learner, "pack_sequences", False),
+        "remat": learner.update_cfg.remat,
+        "matmul_roofline_flops_per_s": roofline, "matmul_roofline_samples": roof,
+        "episode_accuracy": m.get("episode/accuracy"),
+        "completions_mean_length": {k.split("/")[1]: v for k, v in m.items()
+                                    if k.startswith("completions/") and k.endswith("mean_length")},
+        "jax_version": jax.__version__, "jax_backend": jax.default_backend(),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# The reference pipeline.
+
+
+def run_reference(args) -> dict:
+    import jax
+    import torch
+
+    from marft_jax.bench.g1_pipeline import G1Pipeline
+    from marft_jax.bench.update import LORA, torch_matmul_flops
+    from marft_jax.rl.rollout import rollout
+    from marft_jax.train.build import build_run, lora_config, optim_config
+    from marft_jax.train.state import init_train_state
+
+    torch.set_num_threads(args.torch_threads or os.cpu_count() or 1)
+    wl, cfg = config_for(args)
+    lc = lora_config(cfg)
+    if (lc.rank, lc.alpha, tuple(lc.targets)) != (LORA.rank, LORA.alpha, tuple(LORA.targets)):
+        raise ValueError(f"the G1 baseline (bench/update.py) uses LoRA r{LORA.rank}/alpha {LORA.alpha} on "
+                         f"{LORA.targets}; the run has r{lc.rank}/alpha {lc.alpha} on {lc.targets}")
+    run = build_run(cfg)
+    try:
+        mcfg, tok, learner = run.model.cfg, run.tokenizer, run.learner
+        n = cfg.team.num_agents
+        state = init_train_state(jax.random.key(cfg.train.seed), mcfg, lora_config(cfg), n,
+                                 optim_config(cfg, cfg.train.iterations), critic_lora=cfg.ppo.critic_lora)
+        lora0 = jax.tree.map(np.array, state.lora)                       # the same initial adapters as ours
+        head0 = jax.tree.map(np.array, state.critic.head)
+        rcfg = learner.rollout_cfg
+        K = max(rcfg.budget(i) for i in range(n))
+        pipe = G1Pipeline(mcfg, run.model.params, lora0, head0, learner.update_cfg, act_len=K, pad_id=tok.pad_id,
+                          stop_ids=tok.stop_ids, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
+                          top_p=cfg.rollout.top_p, no_eos=args.no_eos, seed=cfg.train.seed)
+        del state
+        run.model = None                                                  # the JAX copy of the weights
+        learner.base = None
+        gc.collect()
+        problems = select_problems(run, wl, cfg.rollout.rows)
+        key = jax.random.fold_in(jax.random.key(cfg.train.seed + 1), 0)
+        roof = [torch_matmul_flops(args.roofline_n)]
+        t0 = time.perf_counter()
+        first = tok.encode_text("Warm-up.")
+        for i in range(n):
+            pipe.generate([first], np.array([i]), 2, key)
+        warmup_s = time.perf_counter() - t0
+        pipe.work = {k: type(v)() for k, v in pipe.work.items()}
+        t0 = time.perf_counter()
+        traj, _ = rollout(problems, team=run.team, tokenizer=tok, generate=pipe.generate, score=run.pool.score,
+                          cfg=rcfg, key=key)
+        t1 = time.perf_counter()
+        batch = pipe.prepare(traj, gamma=cfg.gamma, lam=cfg.lam)
+        t2 = time.perf_counter()
+        pipe.update(batch)
+        t3 = time.perf_counter()
+        roof.append(torch_matmul_flops(args.roofline_n))
+    finally:
+        run.close()
+    roofline = max(roof)
+    times = {"rollout": t1 - t0, "values_logprobs_backup": t2 - t1, "update": t3 - t2}
+    stages = {k: _stage(times[k], pipe.work[k].valid_tokens, pipe.work[k].computed_tokens, pipe.work[k].flops,
+                        roofline) for k in STAGES}
+    env_steps = int(np.asarray(traj.step_mask).sum())
+    lengths = np.asarray(traj.act_valid).sum(-1)
+    played = np.asarray(traj.step_mask)
+    return {
+        "side": "reference", "env_steps": env_steps, "s": t3 - t0, "s_per_env_step": (t3 - t0) / env_steps,
+        "stages": stages, "peak_rss_bytes": _peak_rss_bytes(), "warmup_s": warmup_s,
+        "generate_calls": pipe.work["rollout"].calls,
+        "update_shapes": {"rows": int(batch.ctx_tokens.shape[1]), "N": n, "L": int(batch.ctx_tokens.shape[3]),
+                          "K": K},
+        "matmul_roofline_flops_per_s": roofline, "matmul_roofline_samples": roof,
+        "completions_mean_length": {role: float(lengths[..., i][played].mean())
+                                    for i, role in enumerate(run.team.roles)},
+        "desc": ("HF generate per agent (own PEFT base copy), prompts padded to the call's longest; G1 critic "
+                 "CausalLM forward + two policy forwards per (step, agent), [B,1,K,V] fp32 log-softmax, Python "
+                 "loops; G1 buffer-loop backup; bench/update.py G1Baseline step on the played steps"),
+        "torch_version": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def _git_commit() -> dict:
+    def git(*a):
+        return subprocess.run(["git", "-C", str(REPO), *a], capture_output=True, text=True, timeout=30).stdout.strip()
+
+    try:
+        return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "-uno"))}
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def _side_command(side: str, argv: Sequence[str], model_dir: str | None, result: Path) -> tuple[list[str], dict]:
+    cmd = [sys.executable, "-m", "marft_jax.bench.iteration", *argv, "--side", side, "--result", str(result)]
+    if model_dir is not None:
+        cmd += ["--model-dir", model_dir]
+    env = dict(os.environ)
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's spinning OpenMP threads collapse on a shared CPU
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TRANSFORMERS_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return cmd, env
+
+
+def run_sides(sides: Sequence[str], argv: Sequence[str], model_dir: str | None, *, concurrent: bool) -> dict:
+    """Each side in a fresh interpreter (its own peak RSS), one after the other (or all at once
+    with ``concurrent``: smoke tests only, the sides then share the CPU); JSON through files."""
+    with tempfile.TemporaryDirectory() as tmp:
+        jobs = []
+        for side in sides:
+            result = Path(tmp) / f"{side}.json"
+            cmd, env = _side_command(side, argv, model_dir, result)
+            proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=sys.stderr, stderr=sys.stderr)
+            if not concurrent:
+                proc.wait()
+            jobs.append((side, cmd, proc, result))
+        out = {}
+        for side, cmd, proc, result in jobs:
+            if proc.wait() != 0 or not result.is_file():
+                raise RuntimeError(f"the {side} side failed (exit status {proc.returncode}): {' '.join(cmd)}")
+            out[side] = json.loads(result.read_text())
+        return out
+
+
+def _strip_side_args(argv: Sequence[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a in ("--side", "--result", "--model-dir"):
+            skip = True
+            continue
+        if a.startswith(("--side=", "--result=", "--model-dir=")):
+            continue
+        out.append(a)
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="marft-jax bench iteration", description=__doc__.splitlines()[0])
+    p.add_argument("--workload", default="reference", choices=["reference", "long", "tiny"])
+    p.add_argument("--no-eos", action="store_true", help="no stop tokens on either side (every response "
+                                                         "runs to the token budget)")
+    p.add_argument("--warmup", type=int, default=1, help="our warm-up iterations before the measured one (>= 1)")
+    p.add_argument("--rows", type=int, default=None, help="override rollout.rows (reduced runs)")
+    p.add_argument("--horizon", type=int, default=None, help="override rollout.horizon")
+    p.add_argument("--new-tokens", type=int, default=None, help="override rollout.max_new_tokens")
+    p.add_argument("--math-path", default=str(DEFAULT_MATH), help="MATH training problems (JSON)")
+    p.add_argument("--roofline-n", type=int, default=2048, help="matmul size of the roofline")
+    p.add_argument("--torch-threads", type=int, default=None, help="torch threads (default: os.cpu_count())")
+    p.add_argument("--sides", default="ours,reference", help="which sides to run, in order")
+    p.add_argument("--concurrent-sides", action="store_true",
+                   help="run the sides at the same time (smoke tests only: their timings then interfere)")
+    p.add_argument("--side", choices=["ours", "reference"], help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("overrides", nargs="*", help="extra config overrides key=value (both sides)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.warmup < 1 and args.side != "reference":
+        raise SystemExit("--warmup must be >= 1 (the measured iteration must not compile)")
+    if args.side is not None:                                             # a child: one side
+        if args.workload == "tiny" and args.model_dir is None:
+            args.model_dir = str(write_tiny_model(Path(tempfile.mkdtemp(prefix="marft-bench-tiny-"))))
+        res = run_ours(args) if args.side == "ours" else run_reference(args)
+        text = json.dumps(res)
+        if args.result:
+            Path(args.result).write_text(text)
+        print(text)
+        return res
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from marft_jax.bench.machine import cpu_info
+
+    load_start = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    sides = [s.strip() for s in args.sides.split(",") if s.strip()]
+    if not set(sides) <= {"ours", "reference"} or not sides:
+        raise SystemExit(f"--sides must name ours and/or reference, got {args.sides!r}")
+    child_argv = _strip_side_args(argv)
+    with tempfile.TemporaryDirectory(prefix="marft-bench-tiny-") as tmp:
+        model_dir = str(write_tiny_model(Path(tmp) / "model")) if args.workload == "tiny" else None
+        results = run_sides(sides, child_argv, model_dir, concurrent=args.concurrent_sides)
+    report: dict[str, Any] = {
+        "bench": "iteration",
+        "workload": args.workload,
+        "no_eos": args.no_eos,
+        "concurrent_sides": args.concurrent_sides,
+        "config_overrides": list(workload(args.workload, math_path=args.math_path, model_dir="<tmp>").overrides)
+                            + [f"rollout.rows={args.rows}"] * (args.rows is not None)
+                            + [f"rollout.horizon={args.horizon}"] * (args.horizon is not None)
+                            + [f"rollout.max_new_tokens={args.new_tokens}"] * (args.new_tokens is not None)
+                            + list(args.overrides),
+        "env_steps": {k: v["env_steps"] for k, v in results.items()},
+        "command": " ".join(["python", "-m", "marft_jax.bench.iteration", *argv]),
+        **_git_commit(),
+        "machine": {**cpu_info(), "platform": platform.platform(), "python": platform.python_version(),
+                    "loadavg_1m_start_end": [load_start, os.getloadavg()[0] if hasattr(os, "getloadavg") else None]},
+        **results,
+    }
+    if "ours" in results and "reference" in results:
+        o, r = results["ours"], results["reference"]
+        report["ratio_per_env_step"] = r["s_per_env_step"] / o["s_per_env_step"]
+        report["ratio_per_stage"] = {k: (r["stages"][k]["s"] / r["env_steps"]) / (o["stages"][k]["s"] / o["env_steps"])
+                                     for k in STAGES}
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""Smoke test of ``bench iteration``: the tiny workload end to end, both sides, in subprocesses."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("peft")
+
+REPO = Path(__file__).resolve().parents[1]
+STAGES = ("rollout", "values_logprobs_backup", "update")
+STAGE_KEYS = {"s", "valid_tokens", "computed_tokens", "flops_per_s", "roofline_fraction"}
+
+
+def test_bench_iteration_tiny_end_to_end():
+    env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    cmd = [sys.executable, "-m", "marft_jax.bench.iteration", "--workload", "tiny", "--no-eos",
+           "--horizon", "1", "--roofline-n", "128", "--torch-threads", "1",
+           "--concurrent-sides"]                                       # timings are not checked here
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])        # the last stdout line
+
+    assert report["workload"] == "tiny" and report["no_eos"] is True
+    assert {"command", "commit", "machine", "ratio_per_env_step", "env_steps"} <= set(report)
+    assert report["machine"]["logical_cores"] >= 1
+    assert report["env_steps"] == {"ours": 2, "reference": 2}        # 2 rows x horizon 1
+    assert math.isfinite(report["ratio_per_env_step"]) and report["ratio_per_env_step"] > 0
+    for side in ("ours", "reference"):
+        r = report[side]
+        assert r["peak_rss_bytes"] > 50 * 2 ** 20, side               # at least the interpreter + model
+        assert r["s_per_env_step"] > 0 and r["env_steps"] == 2
+        assert set(r["stages"]) == set(STAGES), side
+        for name, st in r["stages"].items():
+            assert STAGE_KEYS <= set(st), (side, name)
+            assert st["s"] > 0 and st["flops_per_s"] > 0, (side, name)
+            assert 0 < st["roofline_fraction"] < 5, (side, name)       # a loose sanity bound
+            assert st["computed_tokens"] >= st["valid_tokens"] > 0, (side, name, st)
+        # the iteration is the sum of its stages (ours adds a little host bookkeeping)
+        assert sum(st["s"] for st in r["stages"].values()) <= r["s"] * 1.01
+    # --no-eos: every response runs to the 8-token budget on both sides
+    for side in ("ours", "reference"):
+        assert set(report[side]["completions_mean_length"].values()) == {8.0}, side
+    # the rollout does the same valid work on both sides up to the sampled texts (same prompts)
+    o, r = (report[s]["stages"]["rollout"]["valid_tokens"] for s in ("ours", "reference"))
+    assert abs(o - r) <= 0.2 * max(o, r)
+    ours = report["ours"]
+    assert ours["warmup_s"] and ours["warmup_s"][0] > 0
+    assert ours["backend_compile_s"]["measured"] < 0.5 * ours["backend_compile_s"]["warmup"][0] + 1e-9
