@@ -145,3 +145,33 @@ def test_per_agent_token_budgets_reach_the_rollout(tiny_dir, tmp_path):
         run.close()
     lengths = np.asarray(traj.act_valid).sum(-1)[0]        # [B, N]
     assert traj.shape[-1] == 8 and lengths[:, 1].max() <= 3 and lengths[:, 0].max() > 3
+
+
+def test_no_compiles_after_the_first_horizon_cycle(tiny_dir, tmp_path):
+    """`perf/compiles` counts compilations per iteration; once every shape is seen it is 0."""
+    import jax
+
+    from marft_jax.train.build import build_run, lora_config, optim_config
+    from marft_jax.train.state import init_train_state
+    from marft_jax.train.trainer import ProblemStream
+
+    cfg = load_config("demo", tiny_overrides(tiny_dir, tmp_path, "compiles", **{
+        "rollout.horizon": 2, "rollout.rows": 4, "ppo.num_minibatches": 2, "rollout.temperature": 1.0}))
+    run = build_run(cfg)
+    try:
+        state = init_train_state(jax.random.key(0), run.model.cfg, lora_config(cfg), 2, optim_config(cfg, 8))
+        stream, env, seen = ProblemStream(run.task, 0), 0, []
+        for it in range(4):
+            state, m, _ = run.learner.iteration(state, stream.take(4), iteration=it, env_samples=env,
+                                                key=jax.random.key(it))
+            env = m["env_samples"]
+            seen.append(m)
+    finally:
+        run.close()
+    assert seen[0]["perf/compiles"] > 0
+    # The second iteration may still meet a new prompt bucket in the sampler (data-dependent
+    # context lengths); after that every program of the run exists.
+    assert [m["perf/compiles"] for m in seen[2:]] == [0, 0], [m["perf/compiles"] for m in seen]
+    for m in seen:
+        assert m["perf/padding_ratio"] >= 1.0
+        assert m["perf/tokens/update/computed"] >= m["perf/tokens/update/valid"] > 0

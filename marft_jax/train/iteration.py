@@ -175,6 +175,19 @@ class TeamLearner:
         metrics["env_samples"] = env_samples + int(np.asarray(traj.step_mask).sum())
         return state, metrics, texts
 
+    def packed_shapes(self) -> dict[str, list[list[int]]]:
+        """The packed shapes compiled so far (saved with checkpoints: a resumed run packs as the
+        uninterrupted one would, so its results are the same to the bit)."""
+        return {"update": [list(x) for x in self.update_shapes.seen],
+                "features": [list(x) for x in self.prepare_shapes.features.seen],
+                "logprobs": [list(x) for x in self.prepare_shapes.logprobs.seen]}
+
+    def load_packed_shapes(self, shapes: dict) -> None:
+        """Restore :meth:`packed_shapes` (missing entries: nothing compiled yet)."""
+        for name, policy in (("update", self.update_shapes), ("features", self.prepare_shapes.features),
+                             ("logprobs", self.prepare_shapes.logprobs)):
+            policy.seen = [tuple(int(v) for v in x) for x in shapes.get(name, [])]
+
     def check_update_memory(self, state: TrainState, batch, plan, mask, train_policy) -> None:
         """Before the first update of each new shape: compile it (jit's cache keeps the program)
         and raise :class:`~marft_jax.train.memory_plan.MemoryPlanError`, naming the keys to

@@ -171,6 +171,7 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
         start, position = int(extra["iteration"]), int(extra["data_position"])
         env_samples, before = int(extra["env_samples"]), extra.get("eval_before")
         learner.context_bucket = int(extra.get("context_bucket", 0))
+        learner.load_packed_shapes(extra.get("packed_shapes", {}))
         print(f"resumed from {ckpt.step_path(start)} (iteration {start})")
     writer = MetricsWriter(run_dir, tensorboard=True, resume_step=start if start else None)
     stream = ProblemStream(run.task, cfg.train.seed, position)
@@ -192,7 +193,8 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
 
     def save(i: int) -> None:
         extra = {"iteration": i, "data_position": stream.position, "env_samples": env_samples,
-                 "eval_before": before, "context_bucket": learner.context_bucket, "metrics": last_metrics}
+                 "eval_before": before, "context_bucket": learner.context_bucket,
+                 "packed_shapes": learner.packed_shapes(), "metrics": last_metrics}
         if not ckpt.save(i, state, extra, force=True):
             print(f"checkpoint at iteration {i} refused (non-finite state); previous checkpoints kept",
                   file=sys.stderr)
