@@ -342,7 +342,8 @@ def run_reference(args) -> dict:
     import torch
 
     from marft_jax.bench.g1_pipeline import G1Pipeline
-    from marft_jax.bench.update import LORA, torch_matmul_flops
+    from marft_jax.bench.machine import torch_matmul_flops
+    from marft_jax.bench.update import LORA
     from marft_jax.rl.rollout import rollout
     from marft_jax.train.build import build_run, lora_config, optim_config
     from marft_jax.train.state import init_train_state

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 
 
 def cpu_model() -> str:
@@ -26,3 +27,19 @@ def cpu_info() -> dict:
     except OSError:
         pass
     return info
+
+
+def torch_matmul_flops(n: int = 3072, repeats: int = 5) -> float:
+    """Best float32 FLOP/s of an ``n x n @ n x n`` torch matmul (a PyTorch side's roofline)."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
+    with torch.inference_mode():
+        torch.matmul(a, b)
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch.matmul(a, b)
+            best = min(best, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best

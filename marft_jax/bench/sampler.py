@@ -6,10 +6,23 @@ at temperature 1.0 with top-k/top-p off and EOS disabled, so each row generates 
 included). The CPU matmul roofline is measured in the same run (a large float32 matmul), and
 our decode FLOP/s is ``ModelConfig.flops_per_token(mean context) × tokens/s``.
 
+Sections of the JSON:
+
+* ``per_batch``: short prompts (``--prompt-len``, lengths in ``[len/2, len]``) at
+  ``--batch-sizes`` (skipped with ``--batch-sizes ''``).
+* ``per_prompt_len``: realistic lengths, ``{"512": {"4": {..., "ratio_ours_over_hf": x}, ...}}``
+  for ``--prompt-lens`` x ``--batches`` (lengths in ``[0.8 len, len]``); every entry carries the
+  jnp and torch float32 matmul rooflines measured right before it (the machine is shared: the
+  roofline says how loaded it was).
+* ``per_step``: our (and HF's) decode-step cost at ~800- and ~32-token contexts (batch
+  ``--step-batch``), and ``per_step_ratio_800_over_32`` (target <= 1.5).
+
 Usage::
 
     python -m marft_jax.bench.sampler --model smollm2-135m      # the embedded checkpoint
     python -m marft_jax.bench.sampler --model tiny              # random weights, same shape
+    python -m marft_jax.bench.sampler --model tiny --batch-sizes '' --prompt-lens 512 \
+        --batches 4 --new-tokens 32 --repeats 1                 # one quick point
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marft_jax.bench.machine import torch_matmul_flops
 from marft_jax.models import decoder
 from marft_jax.models.config import ModelConfig
 from marft_jax.sampling.buckets import length_bucket
@@ -93,10 +107,10 @@ def hf_model_from_params(cfg: ModelConfig, params: dict):
     return model
 
 
-def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int) -> list[list[int]]:
-    """Random prompts with lengths in ``[prompt_len // 2, prompt_len]``."""
+def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int, min_frac: float = 0.5) -> list[list[int]]:
+    """Random prompts with lengths in ``[prompt_len * min_frac, prompt_len]``."""
     rng = np.random.default_rng(seed)
-    lens = rng.integers(max(prompt_len // 2, 1), prompt_len + 1, batch)
+    lens = rng.integers(max(int(prompt_len * min_frac), 1), prompt_len + 1, batch)
     return [rng.integers(3, vocab, n).tolist() for n in lens]
 
 
@@ -112,6 +126,29 @@ def matmul_roofline_flops(n: int = 3072, repeats: int = 5) -> float:
         jax.block_until_ready(mm(a, b))
         best = min(best, time.perf_counter() - t0)
     return 2.0 * n ** 3 / best
+
+
+def decode_step_s(cfg, params, batch: int, prompt_len: int, new_tokens: int, seed: int, repeats: int) -> float:
+    """Our decode-step wall time at a ``prompt_len`` context: one phase (cache of
+    ``prompt_bucket + new_tokens`` slots) timed apart from the prefill, best of ``repeats``."""
+    from marft_jax.sampling import buckets
+    from marft_jax.sampling import sampler as smp
+
+    prompts = make_prompts(batch, prompt_len, cfg.vocab_size, seed, min_frac=1.0)
+    pb = buckets.pad_prompts(prompts, fine_above=256)
+    best = float("inf")
+    for r in range(repeats + 1):                                           # the first compiles
+        state = smp.prefill(params, None, jnp.asarray(pb.tokens), jnp.asarray(pb.valid),
+                            jnp.asarray(pb.active), jnp.int32(0), jnp.asarray(smp.stop_id_array([])),
+                            jax.random.key(seed + r), smp.SamplingParams.make(1.0), jnp.int32(new_tokens),
+                            jnp.int32(0), cfg=cfg, max_new_tokens=new_tokens)
+        jax.block_until_ready(state)
+        t0 = time.perf_counter()
+        state = smp.decode(params, None, state, jnp.int32(-1), cfg=cfg)
+        jax.block_until_ready(state)
+        if r:
+            best = min(best, (time.perf_counter() - t0) / (new_tokens - 1))
+    return best
 
 
 class OursRunner:
@@ -167,12 +204,50 @@ class HFRunner:
         return dt
 
 
+def _compare(cfg, params, hf_model, prompts, new_tokens: int, seed: int, repeats: int,
+             flops_per_token: float, roofline: float) -> dict[str, Any]:
+    """One point: ours vs HF generate on the same prompts, interleaved runs, best of each."""
+    bs = len(prompts)
+    ours = OursRunner(cfg, params, prompts, new_tokens, seed)
+    first = ours()                                                         # compile + run
+    hf = HFRunner(hf_model, prompts, new_tokens, seed) if hf_model is not None else None
+    if hf is not None:
+        hf(new_tokens=2)                                                   # warm-up
+    ours_s, hf_s = [], []
+    for _ in range(repeats):                                               # interleaved: same load
+        ours_s.append(ours())
+        if hf is not None:
+            hf_s.append(hf())
+    ours_tps = bs * new_tokens / min(ours_s)
+    row: dict[str, Any] = {
+        "ours_tokens_per_s": ours_tps,
+        "ours_compile_s": max(first - min(ours_s), 0.0),
+        "ours_run_s": min(ours_s),
+        "ours_decode_gflops": flops_per_token * ours_tps / 1e9,
+        "ours_roofline_fraction": flops_per_token * ours_tps / roofline,
+    }
+    if hf is not None:
+        hf_tps = bs * new_tokens / min(hf_s)
+        row.update({"hf_tokens_per_s": hf_tps, "hf_run_s": min(hf_s), "ratio_ours_over_hf": ours_tps / hf_tps})
+    return row
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m", help="'smollm2-135m', 'tiny', an HF dir or a .gguf")
-    p.add_argument("--batch-sizes", default="8,32")
+    p.add_argument("--batch-sizes", default="8,32", help="per_batch section ('' to skip)")
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=32, help="per_batch prompt length")
+    p.add_argument("--prompt-lens", default="512,1024", help="per_prompt_len section ('' to skip)")
+    p.add_argument("--batches", default="4,8,32", help="batch sizes of the per_prompt_len section")
+    p.add_argument("--step-contexts", default="32,800", help="per_step contexts ('' to skip); "
+                   "per_step_ratio_800_over_32 needs 32 and 800")
+    p.add_argument("--step-batch", type=int, default=4)
+    p.add_argument("--step-new-tokens", type=int, default=16)
     p.add_argument("--repeats", type=int, default=2, help="timed runs per side (best is reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip the PyTorch baseline")
@@ -204,34 +279,51 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "sampling": {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "eos": "disabled"},
         "tokens_per_s": "generated tokens / wall s of the whole call (prefill included), best run",
         "matmul_roofline_gflops": roofline / 1e9,
+        "torch_matmul_roofline_gflops": torch_matmul_flops() / 1e9 if hf_model is not None else None,
         "flops_per_token_gflop": flops_per_token / 1e9,
         "per_batch": {},
     }
-    for bs in (int(b) for b in args.batch_sizes.split(",")):
+    for bs in _ints(args.batch_sizes):
         prompts = make_prompts(bs, args.prompt_len, cfg.vocab_size, args.seed + bs)
-        ours = OursRunner(cfg, params, prompts, args.new_tokens, args.seed)
-        first = ours()                                                     # compile + run
-        hf = HFRunner(hf_model, prompts, args.new_tokens, args.seed) if hf_model is not None else None
-        if hf is not None:
-            hf(new_tokens=4)                                               # warm-up
-        ours_s, hf_s = [], []
-        for _ in range(args.repeats):                                      # interleaved: same load
-            ours_s.append(ours())
-            if hf is not None:
-                hf_s.append(hf())
-        ours_tps = bs * args.new_tokens / min(ours_s)
-        row: dict[str, Any] = {
-            "ours_tokens_per_s": ours_tps,
-            "ours_compile_s": max(first - min(ours_s), 0.0),
-            "ours_run_s": min(ours_s),
-            "ours_decode_gflops": flops_per_token * ours_tps / 1e9,
-            "ours_roofline_fraction": flops_per_token * ours_tps / roofline,
-        }
-        if hf is not None:
-            hf_tps = bs * args.new_tokens / min(hf_s)
-            row.update({"hf_tokens_per_s": hf_tps, "hf_run_s": min(hf_s),
-                        "ratio_ours_over_hf": ours_tps / hf_tps})
-        report["per_batch"][str(bs)] = row
+        report["per_batch"][str(bs)] = _compare(cfg, params, hf_model, prompts, args.new_tokens, args.seed,
+                                                args.repeats, flops_per_token, roofline)
+
+    report["per_prompt_len"] = {}
+    for plen in _ints(args.prompt_lens):
+        fpt = cfg.flops_per_token(int(0.9 * plen + args.new_tokens / 2))
+        section = report["per_prompt_len"][str(plen)] = {}
+        for bs in _ints(args.batches):
+            jnp_roof = matmul_roofline_flops(2048, 3)
+            torch_roof = torch_matmul_flops(2048, 3) if hf_model is not None else None
+            prompts = make_prompts(bs, plen, cfg.vocab_size, args.seed + 1000 * plen + bs, min_frac=0.8)
+            row = _compare(cfg, params, hf_model, prompts, args.new_tokens, args.seed, args.repeats, fpt, jnp_roof)
+            row.update({"prompt_lens_min_max": [min(map(len, prompts)), max(map(len, prompts))],
+                        "jnp_matmul_roofline_gflops": jnp_roof / 1e9,
+                        "torch_matmul_roofline_gflops": None if torch_roof is None else torch_roof / 1e9})
+            section[str(bs)] = row
+
+    contexts = _ints(args.step_contexts)
+    if contexts:
+        n = args.step_new_tokens
+        steps: dict[str, Any] = {"batch": args.step_batch, "new_tokens": n,
+                                 "jnp_matmul_roofline_gflops": matmul_roofline_flops(2048, 3) / 1e9}
+        for ctx in contexts:
+            entry: dict[str, Any] = {"ours_step_ms": 1e3 * decode_step_s(cfg, params, args.step_batch, ctx, n,
+                                                                       args.seed, args.repeats)}
+            if hf_model is not None:
+                hf = HFRunner(hf_model, make_prompts(args.step_batch, ctx, cfg.vocab_size, args.seed, 1.0), n,
+                              args.seed)
+                hf(new_tokens=2)
+                short = min(hf(new_tokens=1) for _ in range(args.repeats))
+                full = min(hf(new_tokens=n) for _ in range(args.repeats))
+                entry["hf_step_ms"] = 1e3 * max(full - short, 0.0) / (n - 1)
+            steps[str(ctx)] = entry
+        if "32" in steps and "800" in steps:
+            steps["per_step_ratio_800_over_32"] = steps["800"]["ours_step_ms"] / steps["32"]["ours_step_ms"]
+            report["per_step_ratio_800_over_32"] = steps["per_step_ratio_800_over_32"]
+        steps["torch_matmul_roofline_gflops"] = (torch_matmul_flops(2048, 3) / 1e9
+                                                 if hf_model is not None else None)
+        report["per_step"] = steps
     report["loadavg_1min_start_end"] = [load_start, os.getloadavg()[0]]
     print(json.dumps(report))
     return report

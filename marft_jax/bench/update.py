@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marft_jax.bench.machine import cpu_model
+from marft_jax.bench.machine import cpu_model, torch_matmul_flops
 from marft_jax.bench.sampler import matmul_roofline_flops
 from marft_jax.models import decoder, logprobs as lp_lib
 from marft_jax.models.config import ModelConfig
@@ -157,19 +157,6 @@ def baseline_flops(cfg: ModelConfig, rows: int, agents: int, L: int, K: int) -> 
     critic = _body_flops(cfg, rows, L) + _head_flops(cfg, rows * L)
     fwd = _body_flops(cfg, rows, T) + _head_flops(cfg, rows * T)
     return agents * (critic + 3 * fwd)
-
-
-def torch_matmul_flops(n: int, repeats: int = 5) -> float:
-    import torch
-
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.matmul(a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2.0 * n ** 3 / best
 
 
 # ----------------------------------------------------------------------------------------------

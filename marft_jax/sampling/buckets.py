@@ -1,8 +1,10 @@
-"""Power-of-two shape buckets and left padding of prompt batches.
+"""Shape buckets and left padding of prompt batches.
 
-Every distinct array shape is a new compile, so prompts are left-padded to a power-of-two
-length bucket and batches are padded with inactive dummy rows to a power-of-two batch bucket:
-a whole run compiles a handful of programs. Masks come from lengths (``valid`` is True for a
+Every distinct array shape is a new compile, so prompts are left-padded to a length bucket and
+batches are padded with inactive dummy rows to a power-of-two batch bucket: a whole run
+compiles a handful of programs. Length buckets are powers of two (:func:`length_bucket`); the
+sampler uses finer ones for long prompts (:func:`prompt_bucket`: multiples of 128, then
+quarter octaves, above 256), where a power of two would waste up to half of the prefill. Masks come from lengths (``valid`` is True for a
 real token), never from comparing ids with the pad id.
 """
 
@@ -31,6 +33,23 @@ def length_bucket(n: int, *, minimum: int = 16, maximum: int | None = None) -> i
         raise ValueError(f"length {n} exceeds the largest bucket {maximum}")
     b = _next_pow2(max(n, minimum))
     return b if maximum is None else min(b, int(maximum))
+
+
+def prompt_bucket(n: int, *, minimum: int = 16, maximum: int | None = None,
+                  fine_above: int = 256) -> int:
+    """A length bucket that is a power of two up to ``fine_above``, finer above it.
+
+    Above ``fine_above`` (a power of two) the bucket is the next multiple of
+    ``max(128, 2^floor(log2(n - 1)) / 4)``: 384, 512, 640, 768, 896, 1024, 1280, 1536, ... (at
+    most three extra buckets per octave, at most 25 % padding above 512 instead of up to 100 %).
+    Capped at ``maximum`` like :func:`length_bucket`, which it equals for ``n <= fine_above``.
+    """
+    b = length_bucket(n, minimum=minimum, maximum=maximum)
+    if n <= fine_above or b <= fine_above:
+        return b
+    granule = max(128, (1 << (int(n) - 1).bit_length()) // 8)   # a quarter of the octave's base
+    fine = -(-int(n) // granule) * granule
+    return min(b, fine)
 
 
 def batch_bucket(n: int, *, minimum: int = 1, maximum: int | None = None) -> int:
@@ -95,17 +114,22 @@ def pad_prompts(
     max_length: int | None = None,
     min_batch: int = 1,
     max_batch: int | None = None,
+    fine_above: int | None = None,
 ) -> PaddedBatch:
     """Bucket and left-pad a list of prompts (token-id lists): ``[batch_bucket, length_bucket]``.
 
-    Every prompt must have at least one token.
+    Every prompt must have at least one token. ``fine_above``: use :func:`prompt_bucket`'s
+    finer length buckets above this length (default None: powers of two only).
     """
     if not seqs:
         raise ValueError("pad_prompts needs at least one prompt")
     lens = [len(s) for s in seqs]
     if min(lens) < 1:
         raise ValueError(f"prompt {lens.index(min(lens))} is empty")
-    length = length_bucket(max(lens), minimum=min_length, maximum=max_length)
+    if fine_above is None:
+        length = length_bucket(max(lens), minimum=min_length, maximum=max_length)
+    else:
+        length = prompt_bucket(max(lens), minimum=min_length, maximum=max_length, fine_above=fine_above)
     batch = batch_bucket(len(seqs), minimum=min_batch, maximum=max_batch)
     tokens, valid = left_pad(seqs, length, pad_id)
     return pad_batch(tokens, valid, batch, pad_id)

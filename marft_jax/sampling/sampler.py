@@ -1,13 +1,24 @@
-"""Batched autoregressive sampling: a jitted prefill, then a ``lax.while_loop`` decode.
+"""Batched autoregressive sampling: a jitted prefill, then ``lax.while_loop`` decode phases.
 
-The recipe (tunix): prompts are left-padded into power-of-two buckets
-(:mod:`marft_jax.sampling.buckets`); :func:`prefill` runs the prompt through the decoder,
-filling a preallocated KV cache of ``prompt_bucket + max_new_tokens`` slots, and picks the
-first token; :func:`decode` continues in a ``lax.while_loop`` that exits as soon as every row
-has emitted a stop token or the token budget is spent. The sampler state (cache included) is
-donated from one call to the next, so the cache is updated in place. Parameters and the LoRA
-stack are jit arguments, never closures; the adapter is picked inside jit by an agent index
-(a scalar, or one index per row), so one compiled program serves every agent.
+The recipe (tunix): prompts are left-padded into length buckets (powers of two up to 256,
+then multiples of 128 / quarter octaves, :func:`marft_jax.sampling.buckets.prompt_bucket`) and
+power-of-two batch buckets; :func:`prefill` runs the prompt through the decoder (attending over
+the prompt's own keys only) into a KV cache sized for the first decode phase, and picks the
+first token; :func:`decode` continues in a ``lax.while_loop``. Parameters and the LoRA stack
+are jit arguments, never closures; the adapter is picked inside jit by an agent index (a
+scalar, or one index per row), so one compiled program serves every agent.
+
+Decode phases (host loop in :class:`Sampler`, a few static shapes): the cache has exactly
+``slots`` = the phase's bound, so every step attends over the filled part only, rounded up to
+the bound (:func:`decode_phases`: ``prompt_bucket + n`` for a short geometric series of ``n``
+ending at ``max_new_tokens``). A phase's loop exits when every row is done, the budget is
+spent, the cache is full, or at most ``live_floor`` rows are still live. Between phases
+:func:`resize` grows the cache to the next bound and compacts the batch: the live rows are
+gathered into a smaller power-of-two batch (never below ``min_compact_batch``), so finished
+rows stop costing work. Output buffers keep the ORIGINAL batch and are written by original row
+id, and per-row randomness is keyed by that id, so compaction never changes a result. The
+state is donated through every call, so the cache and buffers are updated in place; a step
+writes only the new ``[layer, batch, kv_heads, 1, head_dim]`` cache entries.
 
 Token choice per step (``z``: float32 logits of one row):
 
@@ -17,14 +28,18 @@ Token choice per step (``z``: float32 logits of one row):
   kept), then one inverse-CDF draw with a per-row uniform.
 * the returned log-prob is ``log_softmax(z / T)[a]`` at the sampling temperature (``T = 1``
   when greedy), without top-k / top-p renormalisation (MARFT reference §3).
+* next to it, the policy's own ``policy_logps = log_softmax(z / T_policy)[a]`` and full-vocabulary
+  ``entropies = H(softmax(z / T_policy))`` (``T_policy`` traced, default 1): the quantities
+  :func:`marft_jax.models.logprobs.action_logprobs` computes, so PPO can use them as its old
+  log-probs without a recompute forward.
 
-Randomness: the uniform of row ``r`` at generated position ``t`` comes from
-``fold_in(fold_in(key, t), r)``, so a row's sample does not depend on the batch size, on the
-other rows, or on dummy rows added by batch bucketing.
+Randomness: the uniform of row ``r`` (its index in the caller's prompt list) at generated
+position ``t`` comes from ``fold_in(fold_in(key, t), r)``, so a row's sample does not depend on
+the batch size, on the other rows, on dummy rows added by batch bucketing, or on compaction.
 
 Stopping: a row stops at the first token in its stop set (EOS, end-of-turn, ...); the stop token
 is part of the action and counted in its length. Positions after a row's end hold ``pad_id``
-and log-prob 0. ``finished`` is True for rows ended by a stop token, False for rows truncated
+and log-probs / entropy 0. ``finished`` is True for rows ended by a stop token, False for rows truncated
 by the budget.
 """
 
@@ -32,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Any, Sequence
 
 import chex
@@ -58,22 +74,28 @@ class SamplingParams:
 
     temperature: float32 scalar, 0 = greedy. top_k: int32 scalar, 0 = off (needs the static
     ``top_k_max >= top_k``). top_p: float32 scalar in (0, 1], 1 = off (needs static
-    ``use_top_p``).
+    ``use_top_p``). policy_temperature: float32 scalar > 0, the temperature of the returned
+    ``policy_logps`` / ``entropies`` (the training policy's, independent of the sampling one).
     """
 
     temperature: jax.Array
     top_k: jax.Array
     top_p: jax.Array
+    policy_temperature: jax.Array
 
     @classmethod
-    def make(cls, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> "SamplingParams":
+    def make(cls, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+             policy_temperature: float = 1.0) -> "SamplingParams":
         if temperature < 0:
             raise ValueError(f"sampling.temperature must be >= 0, got {temperature}")
         if top_k < 0:
             raise ValueError(f"sampling.top_k must be >= 0 (0 = off), got {top_k}")
         if not 0.0 < top_p <= 1.0:
             raise ValueError(f"sampling.top_p must be in (0, 1], got {top_p}")
-        return cls(temperature=jnp.float32(temperature), top_k=jnp.int32(top_k), top_p=jnp.float32(top_p))
+        if not policy_temperature > 0:
+            raise ValueError(f"policy_temperature must be > 0, got {policy_temperature}")
+        return cls(temperature=jnp.float32(temperature), top_k=jnp.int32(top_k), top_p=jnp.float32(top_p),
+                   policy_temperature=jnp.float32(policy_temperature))
 
 
 def top_k_bucket(top_k: int, vocab_size: int) -> int:
@@ -196,6 +218,22 @@ def choose_tokens(logits: jax.Array, uniform: jax.Array, params: SamplingParams,
     return tokens, logp
 
 
+def policy_scores(logits: jax.Array, tokens: jax.Array, policy_temperature: jax.Array
+                  ) -> tuple[jax.Array, jax.Array]:
+    """The policy's log-prob of ``tokens`` and its entropy, over the full vocabulary.
+
+    logits: ``[batch, vocab]`` float32; tokens: ``[batch]`` int32; policy_temperature: float32
+    scalar ``T > 0``. Returns ``(logp, entropy)`` ``[batch]`` float32 with ``z = logits / T``:
+    ``logp = z[token] - logsumexp(z)``, ``entropy = logsumexp(z) - sum(softmax(z) * z)``, the
+    same formulas as :func:`marft_jax.models.logprobs.chunked_logprobs`.
+    """
+    z = logits.astype(jnp.float32) * (1.0 / jnp.asarray(policy_temperature, jnp.float32))
+    lse = jax.nn.logsumexp(z, axis=-1)
+    picked = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0]
+    entropy = lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
+    return picked - lse, entropy
+
+
 # --------------------------------------------------------------------------- state
 
 
@@ -203,20 +241,31 @@ def choose_tokens(logits: jax.Array, uniform: jax.Array, params: SamplingParams,
 class SamplerState:
     """Everything the decode loop carries (donated between calls).
 
-    cache: the KV cache (``prompt_bucket + max_new_tokens`` slots).
-    tokens / logps: ``[batch, max_new]`` int32 / float32 output buffers.
+    Working rows (``batch``: the current batch bucket, smaller than the original after
+    compaction):
+
+    cache: the KV cache, ``slots`` = the current phase's bound.
     last: ``[batch]`` int32, the token to feed next; positions: ``[batch]`` int32, its RoPE
-    position (``_advance`` moves both on together).
-    done / finished: ``[batch]`` bool, ended for any reason / ended by a stop token.
-    lengths: ``[batch]`` int32 generated tokens so far (stop token included).
-    step: int32 scalar, generated positions so far; budget: int32 scalar, at most max_new.
+    position (``_advance`` moves both on together). done: ``[batch]`` bool, ended for any reason.
     agent: int32 scalar or ``[batch]``; stop_ids: ``[batch, num_stop]`` int32 (-1 = unused slot).
-    row_ids: ``[batch]`` int32 (per-row randomness); key: PRNG key; pad_id: int32 scalar.
+    row_ids: ``[batch]`` int32, the row's index in the original batch (output row, randomness);
+    padding rows added by compaction hold ``rows`` (out of range: they write nothing).
+
+    Output buffers (``rows``: the original batch bucket, indexed by row id):
+
+    tokens: ``[rows, max_new]`` int32; logps / policy_logps / entropies: ``[rows, max_new]``
+    float32; lengths: ``[rows]`` int32 generated tokens so far (stop token included);
+    finished: ``[rows]`` bool, ended by a stop token.
+
+    step: int32 scalar, generated positions so far; budget: int32 scalar, at most max_new;
+    key: PRNG key; pad_id: int32 scalar; sampling: traced :class:`SamplingParams`.
     """
 
     cache: decoder.KVCache
     tokens: jax.Array
     logps: jax.Array
+    policy_logps: jax.Array
+    entropies: jax.Array
     last: jax.Array
     positions: jax.Array
     done: jax.Array
@@ -238,9 +287,13 @@ class SampleResult:
 
     tokens: ``[batch, max_new]`` int32, ``pad_id`` after each row's end.
     lengths: ``[batch]`` int32, generated tokens, the stop token included.
-    logps: ``[batch, max_new]`` float32, ``log_softmax(z / T)[token]``, 0 after the end.
+    logps: ``[batch, max_new]`` float32, ``log_softmax(z / T)[token]`` at the sampling
+      temperature (``T = 1`` when greedy), 0 after the end.
     finished: ``[batch]`` bool, True when the row ended with a stop token (False: truncated).
     steps: int32 scalar, generated positions the batch ran (loop iterations + 1 for prefill).
+    policy_logps: ``[batch, max_new]`` float32, ``log_softmax(z / T_policy)[token]`` over the
+      full vocabulary (no top-k / top-p renormalisation), 0 after the end.
+    entropies: ``[batch, max_new]`` float32, entropy of ``softmax(z / T_policy)``, 0 after the end.
     """
 
     tokens: Any
@@ -248,28 +301,35 @@ class SampleResult:
     logps: Any
     finished: Any
     steps: Any
+    policy_logps: Any = None
+    entropies: Any = None
 
 
-def _advance(s: SamplerState, cache: decoder.KVCache, tok: jax.Array, logp: jax.Array) -> SamplerState:
-    """Write the tokens chosen at position ``s.step`` and update the stop bookkeeping."""
+def _advance(s: SamplerState, cache: decoder.KVCache, tok: jax.Array, logp: jax.Array,
+             policy_logp: jax.Array, entropy: jax.Array) -> SamplerState:
+    """Write the tokens chosen at position ``s.step`` (by original row id) and update stopping."""
     live = ~s.done
+    dest = jnp.where(live, s.row_ids, s.tokens.shape[0])     # done / padding rows: dropped
     col = s.step
-    tok_out = jnp.where(live, tok, s.pad_id)
-    tokens = jax.lax.dynamic_update_slice_in_dim(s.tokens, tok_out[:, None], col, axis=1)
-    logps = jax.lax.dynamic_update_slice_in_dim(s.logps, jnp.where(live, logp, 0.0)[:, None], col, axis=1)
+    put = lambda buf, val: buf.at[dest, col].set(val, mode="drop")
     hit_stop = jnp.any(tok[:, None] == s.stop_ids, axis=-1) & live
     return s.replace(
-        cache=cache, tokens=tokens, logps=logps, last=tok_out, positions=s.positions + 1,
-        done=s.done | hit_stop, finished=s.finished | hit_stop,
-        lengths=s.lengths + live.astype(jnp.int32), step=s.step + 1)
+        cache=cache, tokens=put(s.tokens, tok), logps=put(s.logps, logp),
+        policy_logps=put(s.policy_logps, policy_logp), entropies=put(s.entropies, entropy),
+        last=jnp.where(live, tok, s.pad_id), positions=s.positions + 1,
+        done=s.done | hit_stop, finished=s.finished.at[dest].set(hit_stop, mode="drop"),
+        lengths=s.lengths.at[dest].add(1, mode="drop"), step=s.step + 1)
 
 
-def _pick(s: SamplerState, logits: jax.Array, top_k_max: int, use_top_p: bool):
+def _pick_and_advance(s: SamplerState, cache: decoder.KVCache, logits: jax.Array, top_k_max: int,
+                      use_top_p: bool) -> SamplerState:
     u = row_uniforms(s.key, s.step, s.row_ids)
-    return choose_tokens(logits, u, s.sampling, top_k_max=top_k_max, use_top_p=use_top_p)
+    tok, logp = choose_tokens(logits, u, s.sampling, top_k_max=top_k_max, use_top_p=use_top_p)
+    policy_logp, entropy = policy_scores(logits, tok, s.sampling.policy_temperature)
+    return _advance(s, cache, tok, logp, policy_logp, entropy)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "top_k_max", "use_top_p"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "top_k_max", "use_top_p", "slots"))
 def prefill(
     params: Params,
     lora: lora_lib.LoraStack | None,
@@ -287,6 +347,7 @@ def prefill(
     max_new_tokens: int,
     top_k_max: int = 0,
     use_top_p: bool = False,
+    slots: int | None = None,
 ) -> SamplerState:
     """Run the prompts, fill a fresh KV cache and choose the first generated token.
 
@@ -297,27 +358,33 @@ def prefill(
       active: ``[batch]`` bool, False for dummy rows (they start done and are never counted).
       agent: int32 scalar or ``[batch]``.
       stop_ids: ``[num_stop]`` or ``[batch, num_stop]`` int32 stop token ids (-1 = unused).
-      key: PRNG key; sampling: traced temperature / top-k / top-p.
+      key: PRNG key; sampling: traced temperatures / top-k / top-p.
       budget: int32 scalar, tokens to generate at most (clipped to ``[1, max_new_tokens]``).
       pad_id: int32 scalar written after each row's end.
-      max_new_tokens: static, the size of the output buffers and of the cache extension.
+      max_new_tokens: static, the size of the output buffers.
+      slots: static cache size (default ``prompt_bucket + max_new_tokens``: one decode phase to
+        the end); the prompt attends over its own keys only, never over the empty slots.
     Returns the :class:`SamplerState` after one generated position.
     """
     chex.assert_rank([tokens, valid, active], [2, 2, 1])
     b, length = tokens.shape
+    slots = length + max_new_tokens if slots is None else int(slots)
+    if slots < length:
+        raise ValueError(f"prefill: slots={slots} < prompt bucket {length}")
     stop_ids = jnp.asarray(stop_ids, jnp.int32)
     if stop_ids.ndim == 1:
         stop_ids = jnp.broadcast_to(stop_ids[None], (b, stop_ids.shape[0]))
     chex.assert_rank(stop_ids, 2)
     agent = jnp.asarray(agent, jnp.int32)
-    cache = decoder.KVCache.init(cfg, b, length + max_new_tokens, dtype=params["embed"].dtype)
+    cache = decoder.KVCache.init(cfg, b, slots, dtype=params["embed"].dtype)
     hidden, cache = decoder.forward(params, tokens, valid, cfg=cfg, lora=lora,
-                                    agent=agent if lora is not None else None, cache=cache)
+                                    agent=agent if lora is not None else None, cache=cache, read_slots=0)
     logits = decoder.logits_from_hidden(params, cfg, hidden[:, -1])
+    out_f32 = jnp.zeros((b, max_new_tokens), jnp.float32)
     state = SamplerState(
         cache=cache,
         tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32),
-        logps=jnp.zeros((b, max_new_tokens), jnp.float32),
+        logps=out_f32, policy_logps=out_f32, entropies=out_f32,
         last=jnp.zeros((b,), jnp.int32),
         positions=jnp.sum(valid, axis=-1, dtype=jnp.int32) - 1,   # of the last prompt token
         done=~active, finished=jnp.zeros((b,), bool), lengths=jnp.zeros((b,), jnp.int32),
@@ -325,38 +392,93 @@ def prefill(
         budget=jnp.clip(jnp.asarray(budget, jnp.int32), 1, max_new_tokens),
         agent=agent, stop_ids=stop_ids, row_ids=jnp.arange(b, dtype=jnp.int32), key=key,
         pad_id=jnp.asarray(pad_id, jnp.int32), sampling=sampling)
-    tok, logp = _pick(state, logits, top_k_max, use_top_p)
-    return _advance(state, cache, tok, logp)
+    return _pick_and_advance(state, cache, logits, top_k_max, use_top_p)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "top_k_max", "use_top_p"), donate_argnums=(2,))
-def decode(params: Params, lora: lora_lib.LoraStack | None, state: SamplerState, *,
-           cfg: ModelConfig, top_k_max: int = 0, use_top_p: bool = False) -> SamplerState:
-    """Decode until every row is done or ``state.budget`` positions are generated.
+def decode(params: Params, lora: lora_lib.LoraStack | None, state: SamplerState,
+           live_floor: jax.Array | int = -1, *, cfg: ModelConfig, top_k_max: int = 0,
+           use_top_p: bool = False) -> SamplerState:
+    """Decode one phase: until every row is done, ``state.budget`` positions are generated, the
+    cache is full, or at most ``live_floor`` rows (int32, traced; < 1 = off) are still live.
 
-    ``state`` is donated: its cache and buffers are reused in place; never read it afterwards.
+    Each step attends over all ``slots`` of the cache (the phase bound) plus the new token and
+    writes only the new entries. ``state`` is donated: its cache and buffers are reused in
+    place; never read it afterwards.
     """
     ones = jnp.ones((state.last.shape[0], 1), bool)
     use_lora = lora is not None
+    slots = state.cache.k.shape[3]
+    floor = jnp.maximum(jnp.asarray(live_floor, jnp.int32), 0)
 
     def keep_going(s: SamplerState) -> jax.Array:
-        return (s.step < s.budget) & ~jnp.all(s.done)
+        live = jnp.sum(~s.done, dtype=jnp.int32)
+        return (s.step < s.budget) & (live > floor) & (s.cache.index < slots)
 
     def step(s: SamplerState) -> SamplerState:
         hidden, cache = decoder.forward(params, s.last[:, None], ones, cfg=cfg,
                                         positions=s.positions[:, None], lora=lora,
                                         agent=s.agent if use_lora else None, cache=s.cache)
         logits = decoder.logits_from_hidden(params, cfg, hidden[:, 0])
-        tok, logp = _pick(s, logits, top_k_max, use_top_p)
-        return _advance(s, cache, tok, logp)
+        return _pick_and_advance(s, cache, logits, top_k_max, use_top_p)
 
     return jax.lax.while_loop(keep_going, step, state)
 
 
+@functools.partial(jax.jit, static_argnames=("slots",), donate_argnums=(0,))
+def resize(state: SamplerState, rows: jax.Array, keep: jax.Array, *, slots: int) -> SamplerState:
+    """Compact the working batch and/or grow the cache between decode phases.
+
+    rows: ``[new_batch]`` int32 working-row indices to gather; keep: ``[new_batch]`` bool, False
+    for padding rows (they become done, with an out-of-range row id, and write nothing).
+    slots: static new cache size (>= the current one; the new slots are empty). The output
+    buffers (original rows) pass through untouched. ``state`` is donated.
+    """
+    old = state.cache.k.shape[3]
+    if slots < old:
+        raise ValueError(f"resize: slots={slots} < current {old}")
+    grow = ((0, 0), (0, 0), (0, 0), (0, slots - old), (0, 0))
+    take = lambda x: jnp.take(x, rows, axis=0)
+    cache = decoder.KVCache(
+        k=jnp.pad(jnp.take(state.cache.k, rows, axis=1), grow),
+        v=jnp.pad(jnp.take(state.cache.v, rows, axis=1), grow),
+        valid=jnp.pad(take(state.cache.valid), ((0, 0), (0, slots - old))),
+        index=state.cache.index)
+    return state.replace(
+        cache=cache, last=take(state.last), positions=take(state.positions),
+        done=jnp.where(keep, take(state.done), True),
+        agent=take(state.agent) if state.agent.ndim else state.agent,
+        stop_ids=take(state.stop_ids),
+        row_ids=jnp.where(keep, take(state.row_ids), state.tokens.shape[0]))
+
+
 def result_of(state: SamplerState) -> SampleResult:
-    """The :class:`SampleResult` view of a final state (device arrays)."""
+    """The :class:`SampleResult` view of a final state (device arrays, original rows)."""
     return SampleResult(tokens=state.tokens, lengths=state.lengths, logps=state.logps,
-                        finished=state.finished, steps=state.step)
+                        finished=state.finished, steps=state.step,
+                        policy_logps=state.policy_logps, entropies=state.entropies)
+
+
+def decode_phases(prompt_len: int, max_new: int, *, first: int = 32, growth: float = 1.25) -> tuple[int, ...]:
+    """Static new-token bounds of the decode phases: phase ``i`` caches ``prompt_len + n_i`` slots.
+
+    Candidates are ``first · 2^k < max_new`` and ``max_new`` itself (always the last); a
+    candidate is kept only when the next kept bound's cache is more than ``growth`` times
+    larger, so long prompts (where the generated part is a small share of the keys) run in
+    one or two phases and short ones in a few. Deterministic in its arguments: a run reuses
+    the same compiled shapes.
+    """
+    if max_new < 1:
+        raise ValueError(f"max_new must be >= 1, got {max_new}")
+    cands, n = [], first
+    while n < max_new:
+        cands.append(n)
+        n *= 2
+    kept = [max_new]
+    for n in reversed(cands):
+        if prompt_len + kept[0] > growth * (prompt_len + n):
+            kept.insert(0, n)
+    return tuple(kept)
 
 
 # --------------------------------------------------------------------------- host API
@@ -388,8 +510,13 @@ def stop_id_array(ids: Sequence[int], minimum: int = 8) -> np.ndarray:
 class Sampler:
     """Host-side entry point: token-id lists in, NumPy results out (trimmed to the real rows).
 
-    Prompts are bucketed (power-of-two length >= ``min_prompt_bucket`` and batch >=
-    ``min_batch``) so a run compiles a handful of programs.
+    Prompts are bucketed (length: :func:`marft_jax.sampling.buckets.prompt_bucket`, powers of
+    two >= ``min_prompt_bucket`` up to ``fine_above``, then multiples of 128 / quarter octaves;
+    batch: powers of two >= ``min_batch``) and decoding runs in a few static phases
+    (:func:`decode_phases`), so a run compiles a handful of programs. Between phases (and when
+    at most half the rows are live) the live rows are compacted into a smaller power-of-two
+    batch, never below ``min_compact_batch`` (small batches are bound by the weights, not the
+    rows, and each new batch size is a compile).
 
     Example::
 
@@ -402,7 +529,8 @@ class Sampler:
 
     def __init__(self, cfg: ModelConfig, *, pad_id: int = 0, stop_ids: Sequence[int] = (),
                  min_prompt_bucket: int = 16, max_prompt_len: int | None = None,
-                 min_batch: int = 1, max_batch: int | None = None):
+                 min_batch: int = 1, max_batch: int | None = None,
+                 fine_above: int | None = 256, min_compact_batch: int = 8):
         self.cfg = cfg
         self.pad_id = int(pad_id)
         self.stop_ids = tuple(int(i) for i in stop_ids)
@@ -410,6 +538,10 @@ class Sampler:
         self.max_prompt_len = max_prompt_len
         self.min_batch = min_batch
         self.max_batch = max_batch
+        self.fine_above = fine_above
+        if min_compact_batch < 1:
+            raise ValueError(f"min_compact_batch must be >= 1, got {min_compact_batch}")
+        self.min_compact_batch = int(min_compact_batch)
 
     def __call__(
         self,
@@ -422,6 +554,7 @@ class Sampler:
         agent: int | Sequence[int] = 0,
         stop_ids: Sequence[int] | None = None,
         budget: int | None = None,
+        policy_temperature: float = 1.0,
     ) -> SampleResult:
         """Sample one response per prompt.
 
@@ -432,12 +565,15 @@ class Sampler:
           lora, agent: adapter stack and agent index (one int, or one per prompt).
           stop_ids: overrides the sampler's stop set for this call.
           budget: generate at most this many tokens (<= max_new_tokens; traced, no recompile).
+          policy_temperature: temperature of the returned ``policy_logps`` / ``entropies``
+            (traced, > 0).
         Returns a :class:`SampleResult` of NumPy arrays with ``len(prompts)`` rows.
         """
         batch = buckets.pad_prompts(prompts, pad_id=self.pad_id, min_length=self.min_prompt_bucket,
                                     max_length=self.max_prompt_len, min_batch=self.min_batch,
-                                    max_batch=self.max_batch)
+                                    max_batch=self.max_batch, fine_above=self.fine_above)
         n, b = batch.num_real, batch.tokens.shape[0]
+        length = batch.tokens.shape[1]
         if np.ndim(agent) == 0:
             agent_arr = jnp.int32(agent)
         else:
@@ -448,15 +584,56 @@ class Sampler:
             agent_arr = jnp.int32(0)
         ids = self.stop_ids if stop_ids is None else tuple(int(i) for i in stop_ids)
         stop = jnp.asarray(stop_id_array(ids))
-        sampling = SamplingParams.make(config.temperature, config.top_k, config.top_p)
+        sampling = SamplingParams.make(config.temperature, config.top_k, config.top_p,
+                                       policy_temperature=policy_temperature)
         top_k_max = top_k_bucket(config.top_k, self.cfg.vocab_size)
         use_top_p = config.top_p < 1.0
+        max_new = config.max_new_tokens
+        limit = int(np.clip(max_new if budget is None else budget, 1, max_new))
+        phases = decode_phases(length, max_new)
         state = prefill(params, lora, jnp.asarray(batch.tokens), jnp.asarray(batch.valid),
-                        jnp.asarray(batch.active), agent_arr, stop, key, sampling,
-                        jnp.int32(config.max_new_tokens if budget is None else budget),
-                        jnp.int32(self.pad_id), cfg=self.cfg, max_new_tokens=config.max_new_tokens,
-                        top_k_max=top_k_max, use_top_p=use_top_p)
-        state = decode(params, lora, state, cfg=self.cfg, top_k_max=top_k_max, use_top_p=use_top_p)
+                        jnp.asarray(batch.active), agent_arr, stop, key, sampling, jnp.int32(limit),
+                        jnp.int32(self.pad_id), cfg=self.cfg, max_new_tokens=max_new,
+                        top_k_max=top_k_max, use_top_p=use_top_p, slots=length + phases[0])
+        state = self._decode_phases(params, lora, state, length, phases, limit, top_k_max, use_top_p)
         res = jax.device_get(result_of(state))
         return SampleResult(tokens=res.tokens[:n], lengths=res.lengths[:n], logps=res.logps[:n],
-                            finished=res.finished[:n], steps=int(res.steps))
+                            finished=res.finished[:n], steps=int(res.steps),
+                            policy_logps=res.policy_logps[:n], entropies=res.entropies[:n])
+
+    def _decode_phases(self, params, lora, state: SamplerState, length: int, phases: tuple[int, ...],
+                       limit: int, top_k_max: int, use_top_p: bool) -> SamplerState:
+        """Host loop over decode phases; compacts finished rows away and grows the cache."""
+        if limit <= 1:                              # prefill chose the only token
+            return state
+        phase = 0
+        while True:
+            rows = state.last.shape[0]
+            half = rows // 2
+            floor = half if half >= self.min_compact_batch else -1
+            state = decode(params, lora, state, jnp.int32(floor), cfg=self.cfg, top_k_max=top_k_max,
+                           use_top_p=use_top_p)
+            step, done, index = (int(x) if np.ndim(x) == 0 else x
+                                 for x in jax.device_get((state.step, state.done, state.cache.index)))
+            live = np.nonzero(~done)[0]
+            if step >= limit or live.size == 0:
+                return state
+            slots = state.cache.k.shape[3]
+            if index >= slots:                      # phase bound reached: next bound
+                phase += 1
+                if phase >= len(phases):
+                    raise RuntimeError(f"sampler: cache full at {slots} slots before the budget")
+                slots = length + phases[phase]
+            new_rows = rows
+            if live.size <= half and half >= self.min_compact_batch:
+                new_rows = max(buckets.batch_bucket(live.size), self.min_compact_batch)
+            if new_rows == rows and slots == state.cache.k.shape[3]:
+                raise RuntimeError("sampler: decode phase ended without progress")
+            if new_rows < rows:
+                gather = np.concatenate([live, np.full(new_rows - live.size, live[0])]).astype(np.int32)
+                keep = np.arange(new_rows) < live.size
+            else:
+                gather, keep = np.arange(rows, dtype=np.int32), np.ones(rows, bool)
+            with warnings.catch_warnings():     # a resized cache cannot reuse the donated one
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                state = resize(state, jnp.asarray(gather), jnp.asarray(keep), slots=slots)
