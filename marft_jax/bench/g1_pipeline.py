@@ -190,8 +190,8 @@ class G1Pipeline(G1Baseline):
                                                 2 * (_body_flops(self.cfg, rows, t) + _head_flops(self.cfg, rows * t)))
         return logp
 
-    def prepare(self, traj: Trajectory, *, gamma: float, lam: float) -> UpdateBatch:
-        """Values, old log-probs and G1's backup; returns the update minibatch (played rows flattened)."""
+    def prepare(self, traj: Trajectory, *, gamma: float, lam: float) -> list[UpdateBatch]:
+        """Values, old log-probs and G1's backup; returns one update minibatch per played step."""
         S, B, N, L, K = traj.shape
         step_mask = np.asarray(traj.step_mask)
         ctx_tok, ctx_val = np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid)
@@ -229,24 +229,28 @@ class G1Pipeline(G1Baseline):
         adv, ret = action_level_gae_reference(reward, value, dp, step_mask, np.asarray(traj.terminal),
                                               np.asarray(traj.truncated), v_boot, gamma=gamma, lam=lam,
                                               g1_masks=True)
-        # the minibatch: every played (step, row), contexts padded to the longest, actions to K
-        pairs = [(s, b) for s in range(S) for b in range(B) if step_mask[s, b]]
-        lmax = max(int(ctx_val[s, b].sum(-1).max()) for s, b in pairs)
-        R = len(pairs)
-        m_ctx = np.full((1, R, N, lmax), self.pad_id, np.int32)
-        m_ctx_valid = np.zeros((1, R, N, lmax), bool)
-        for r, (s, b) in enumerate(pairs):
-            for i in range(N):
-                c = contexts(s, b, i)
-                m_ctx[0, r, i, lmax - len(c):] = c
-                m_ctx_valid[0, r, i, lmax - len(c):] = True
-        take = lambda x: np.stack([x[s, b] for s, b in pairs])[None]
-        logp_tok = np.zeros((1, R, N, K), np.float32)
-        logp_tok[..., 0] = take(logp)                                         # G1Baseline sums over K
-        return UpdateBatch(ctx_tokens=m_ctx, ctx_valid=m_ctx_valid, act_tokens=take(act), act_valid=take(act_valid),
-                           logp_old=logp_tok, adv=take(adv.astype(np.float32)), ret=take(ret.astype(np.float32)),
-                           v_old=take(value), dp_mask=take(dp), feats=np.zeros((1, R, N, 1), np.float32),
-                           word_count=take(np.asarray(traj.word_count)))
+        # G1 plays one env step per iteration and updates on that step's rows: one minibatch per
+        # step, contexts padded to that step's longest (all steps in one minibatch would pad every
+        # row to the last step's contexts and hold 3x the activations: 24 GB on `reference`).
+        def minibatch(pairs):
+            lmax = max(int(ctx_val[s, b].sum(-1).max()) for s, b in pairs)
+            R = len(pairs)
+            m_ctx = np.full((1, R, N, lmax), self.pad_id, np.int32)
+            m_ctx_valid = np.zeros((1, R, N, lmax), bool)
+            for r, (s, b) in enumerate(pairs):
+                for i in range(N):
+                    c = contexts(s, b, i)
+                    m_ctx[0, r, i, lmax - len(c):] = c
+                    m_ctx_valid[0, r, i, lmax - len(c):] = True
+            take = lambda x: np.stack([x[s, b] for s, b in pairs])[None]
+            logp_tok = np.zeros((1, R, N, K), np.float32)
+            logp_tok[..., 0] = take(logp)                                     # G1Baseline sums over K
+            return UpdateBatch(ctx_tokens=m_ctx, ctx_valid=m_ctx_valid, act_tokens=take(act),
+                               act_valid=take(act_valid), logp_old=logp_tok, adv=take(adv.astype(np.float32)),
+                               ret=take(ret.astype(np.float32)), v_old=take(value), dp_mask=take(dp),
+                               feats=np.zeros((1, R, N, 1), np.float32), word_count=take(np.asarray(traj.word_count)))
+
+        return [minibatch([(s, b) for b in np.flatnonzero(step_mask[s])]) for s in range(S) if step_mask[s].any()]
 
     # ---- update ----------------------------------------------------------------------------
 
@@ -267,14 +271,15 @@ class G1Pipeline(G1Baseline):
         self.adv = torch.from_numpy(((adv - np.nanmean(a)) / (np.nanstd(a) + 1e-8)).astype(np.float32))
         self.first_logp = [None] * len(self.models)
 
-    def update(self, batch: UpdateBatch) -> float:
-        """G1's update on ``batch`` (:meth:`G1Baseline.step`); returns its seconds."""
+    def update(self, batches: Sequence[UpdateBatch]) -> float:
+        """G1's update (:meth:`G1Baseline.step`) on each step's minibatch in turn; returns the seconds."""
         t0 = time.perf_counter()
-        self.load_update_data(batch)
-        self.step()
-        dt = time.perf_counter() - t0
-        N, R, L = self.ctx.shape
-        K = self.act.shape[-1]
-        ctx, act = int(self.ctx_mask.sum()), int(self.act_mask.sum())
-        self.work["update"].add(ctx + 2 * (ctx + act), N * R * (L + 2 * (L + K)), baseline_flops(self.cfg, R, N, L, K))
-        return dt
+        for batch in batches:
+            self.load_update_data(batch)
+            self.step()
+            N, R, L = self.ctx.shape
+            K = self.act.shape[-1]
+            ctx, act = int(self.ctx_mask.sum()), int(self.act_mask.sum())
+            self.work["update"].add(ctx + 2 * (ctx + act), N * R * (L + 2 * (L + K)),
+                                    baseline_flops(self.cfg, R, N, L, K))
+        return time.perf_counter() - t0

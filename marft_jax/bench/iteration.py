@@ -402,14 +402,14 @@ def run_reference(args) -> dict:
         "side": "reference", "env_steps": env_steps, "s": t3 - t0, "s_per_env_step": (t3 - t0) / env_steps,
         "stages": stages, "peak_rss_bytes": _peak_rss_bytes(), "warmup_s": warmup_s,
         "generate_calls": pipe.work["rollout"].calls,
-        "update_shapes": {"rows": int(batch.ctx_tokens.shape[1]), "N": n, "L": int(batch.ctx_tokens.shape[3]),
-                          "K": K},
+        "update_shapes": [{"rows": int(b.ctx_tokens.shape[1]), "N": n, "L": int(b.ctx_tokens.shape[3]), "K": K}
+                          for b in batch],
         "matmul_roofline_flops_per_s": roofline, "matmul_roofline_samples": roof,
         "completions_mean_length": {role: float(lengths[..., i][played].mean())
                                     for i, role in enumerate(run.team.roles)},
         "desc": ("HF generate per agent (own PEFT base copy), prompts padded to the call's longest; G1 critic "
                  "CausalLM forward + two policy forwards per (step, agent), [B,1,K,V] fp32 log-softmax, Python "
-                 "loops; G1 buffer-loop backup; bench/update.py G1Baseline step on the played steps"),
+                 "loops; G1 buffer-loop backup; bench/update.py G1Baseline step on each played step's rows (G1 updates once per one-step iteration)"),
         "torch_version": torch.__version__, "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }

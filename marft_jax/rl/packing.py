@@ -30,7 +30,7 @@ import flax.struct
 import jax
 import numpy as np
 
-ROW_ALIGN = 64  # packed row lengths are multiples of this
+ROW_ALIGN = 32  # packed row lengths are multiples of this
 
 
 @flax.struct.dataclass
@@ -88,17 +88,27 @@ class ShapePolicy:
     """Chooses the static ``(rows, row_len)`` of packed groups and remembers what compiled.
 
     For a set of groups (sequence-length lists, all packed to one shape), it tries row lengths
-    ``align(longest) * f`` for ``f`` in ``row_len_factors`` and takes the one with the fewest
-    slots ``rows * row_len`` (``rows`` = the most rows any group needs). A shape seen before is
-    reused when it fits and costs at most ``reuse_slack`` times the best fresh shape's slots;
-    otherwise the fresh shape is adopted (one more compile). ``minimum_row_len`` keeps tiny
-    batches from compiling many small shapes.
+    ``align(longest * f)`` for ``f`` in ``row_len_factors`` and ``align(total / r)`` for
+    ``r = 1 .. max_split`` rows (``total``: the largest group's tokens; only lengths that hold the
+    longest sequence) and takes the cheapest by :meth:`cost` (``rows`` = the most rows any group
+    needs): the slots ``rows * row_len`` (the linear layers' work) plus the dense attention of
+    each row, ``rows * row_len² * attention_cost`` (``attention_cost``: one query-key pair's
+    FLOPs over one token's linear FLOPs, :func:`attention_cost_of`; without it one long row
+    would always win). A shape seen before is reused when it fits and costs at most
+    ``reuse_slack`` times the best fresh shape; otherwise the fresh shape is adopted (one more
+    compile). ``minimum_row_len`` keeps tiny batches from compiling many small shapes.
     """
 
     reuse_slack: float = 1.25
-    row_len_factors: tuple[float, ...] = (1.0, 1.5, 2.0)
+    row_len_factors: tuple[float, ...] = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 4.0)
+    max_split: int = 8
     minimum_row_len: int = ROW_ALIGN
+    attention_cost: float = 1.0 / 3000.0     # SmolLM2-135M; see attention_cost_of
     seen: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    def cost(self, rows: int, row_len: int) -> float:
+        """Relative work of a ``[rows, row_len]`` packed forward (linear layers + dense attention)."""
+        return rows * row_len * (1.0 + row_len * self.attention_cost)
 
     def choose(self, groups: Sequence[Sequence[int]]) -> tuple[int, int]:
         """``(rows, row_len)`` for packing every group of sequence lengths."""
@@ -108,19 +118,26 @@ class ShapePolicy:
         def rows_needed(row_len: int) -> int:
             return max(1, max(first_fit_decreasing(g, row_len).rows for g in groups))
 
-        fresh = []
-        for f in self.row_len_factors:
-            t = align(base * f)
-            fresh.append((rows_needed(t) * t, t))
-        best_slots, best_t = min(fresh)
-        fits = [(r * t, r, t) for r, t in self.seen if t >= longest and r >= rows_needed(t)]
+        total = max([sum(g) for g in groups] + [1])
+        candidates = {align(base * f) for f in self.row_len_factors}
+        candidates |= {max(base, align(-(-total // r))) for r in range(1, self.max_split + 1)}
+        best_cost, best_t = min((self.cost(rows_needed(t), t), t) for t in candidates)
+        fits = [(self.cost(r, t), r, t) for r, t in self.seen if t >= longest and r >= rows_needed(t)]
         if fits:
-            slots, r, t = min(fits)
-            if slots <= self.reuse_slack * best_slots:
+            c, r, t = min(fits)
+            if c <= self.reuse_slack * best_cost:
                 return r, t
         shape = (rows_needed(best_t), best_t)
         self.seen.append(shape)
         return shape
+
+
+def attention_cost_of(cfg) -> float:
+    """FLOPs of one query-key pair (scores + weighted values, every layer) over one token's
+    FLOPs in the linear layers (projections and MLP, every layer) for a ``ModelConfig``."""
+    h = cfg.hidden_size
+    per_layer = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size
+    return (4.0 * cfg.q_size) / (2.0 * per_layer)
 
 
 def pack_group(seqs: Sequence[np.ndarray], read_start: Sequence[int], read_count: int, rows: int,

@@ -94,6 +94,18 @@ class TeamLearner:
     prepare_shapes: PrepareShapes = dataclasses.field(default_factory=PrepareShapes)
     update_shapes: packing.ShapePolicy = dataclasses.field(default_factory=packing.ShapePolicy)
     _checked_updates: set = dataclasses.field(default_factory=set, repr=False)
+    # Called as on_stage(stage name, seconds) after each stage (the trainer shows the first,
+    # compiling iteration's progress with it); None: silent.
+    on_stage: Callable[[str, float], None] | None = None
+
+    def _report(self, stage: str, seconds: float) -> None:
+        if self.on_stage is not None:
+            self.on_stage(stage, seconds)
+
+    def __post_init__(self) -> None:
+        cost = packing.attention_cost_of(self.cfg)
+        for policy in (self.update_shapes, self.prepare_shapes.features, self.prepare_shapes.logprobs):
+            policy.attention_cost = cost
 
     def play(self, state: TrainState, problems: Sequence[Problem], key, sampling: SamplingConfig | None = None,
              rollout_cfg: RolloutConfig | None = None):
@@ -135,6 +147,7 @@ class TeamLearner:
         t0 = time.perf_counter()
         traj, texts = self.play(state, problems, key)
         timings["timing_s/rollout"] = time.perf_counter() - t0
+        self._report("rollout", timings["timing_s/rollout"])
 
         t1 = time.perf_counter()
         keep_ctx = not self.pack_sequences or state.critic.lora is not None
@@ -142,6 +155,7 @@ class TeamLearner:
                                            acfg=self.adv_cfg, shapes=self.prepare_shapes, keep_contexts=keep_ctx)
         jax.block_until_ready(batch.adv)
         timings["timing_s/values_logprobs_backup"] = time.perf_counter() - t1
+        self._report("critic features + backup", timings["timing_s/values_logprobs_backup"])
 
         mask, train_policy = self.train_mask(iteration, env_samples)
         t2 = time.perf_counter()
@@ -151,6 +165,7 @@ class TeamLearner:
                                 cfg=self.cfg, ucfg=self.update_cfg, plan=plan)
         jax.block_until_ready(state.lora)
         timings["timing_s/update"] = time.perf_counter() - t2
+        self._report("update", timings["timing_s/update"])
         timings["timing_s/step"] = time.perf_counter() - t0
 
         metrics = dict(timings)

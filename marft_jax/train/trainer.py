@@ -214,6 +214,9 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
             t_step = time.perf_counter()
             problems = stream.take(cfg.rollout.rows)
             backup = jax.tree.map(jnp.copy, state)  # the update donates `state`
+            if it == start:   # the first iteration compiles every program: show its stages as they end
+                print(f"iteration {it + 1}: first of this run, compiling as it goes ...", flush=True)
+                learner.on_stage = lambda name, s: print(f"  {name}: {s:.1f}s", flush=True)
             state, m, _ = learner.iteration(state, problems, iteration=it, env_samples=env_samples,
                                             key=jax.random.fold_in(seed_key, it))
             if not _finite(m) or nonfinite_leaves(state):
@@ -222,6 +225,7 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
                 m = {k: v for k, v in m.items() if isinstance(v, (int, float)) and math.isfinite(v)}
                 m["train/nonfinite_skipped"] = skipped
                 print(f"iteration {it + 1}: non-finite loss or parameters, update skipped", file=sys.stderr)
+            learner.on_stage = None
             env_samples = int(m.get("env_samples", env_samples))
             last_step_s = time.perf_counter() - t_step
             it += 1
