@@ -194,3 +194,13 @@ def test_recomputed_logprobs_equal_padded():
                                                 sl(traj.act_tokens), sl(traj.act_valid), 0.8, cfg=CFG)
         np.testing.assert_allclose(logp[:, :, i].reshape(S * B, K), np.asarray(ref), atol=2e-5)
         np.testing.assert_allclose(ent[:, :, i].reshape(S * B, K), np.asarray(ref_ent), atol=2e-5)
+
+
+def test_layout_costs_count_the_unpacked_layouts():
+    cv = np.zeros((2, 2, 1, 8), bool)
+    av = np.zeros((2, 2, 1, 4), bool)
+    cv[0, 0, 0, 5:], av[0, 0, 0, :2] = True, True      # 3 + 2 tokens
+    cv[0, 1, 0, 1:], av[0, 1, 0, :4] = True, True      # 7 + 4
+    cv[1, 0, 0, 6:], av[1, 0, 0, :1] = True, True      # 2 + 1; row 1 of step 1 unplayed
+    costs = packing.layout_costs(cv, av, bucket=4)
+    assert costs == {"padded": 4 * 12, "step_agent_buckets": 2 * 12 + 1 * 4}

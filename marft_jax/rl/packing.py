@@ -275,3 +275,24 @@ def plan_update(ctx_tokens: np.ndarray, ctx_valid: np.ndarray, act_tokens: np.nd
     stats = {"valid_tokens": valid, "computed_tokens": int(E * M * N * micro_batches * R * T),
              "rows": R, "row_len": T}
     return UpdatePlan(perms=perms.astype(np.int32), rows=PackedRows(tok, seg, pos), gather=gather), stats
+
+
+def layout_costs(ctx_valid: np.ndarray, act_valid: np.ndarray, *, bucket: int = ROW_ALIGN) -> dict[str, int]:
+    """Slots one pass over every sequence computes under the two unpacked layouts (an A/B of packing).
+
+    ``padded``: every (step, row, agent) sequence padded to the trajectory's context bucket plus the
+    token budget, ``[S*B*N, L + K]`` (the layout before packing). ``step_agent_buckets``: the played
+    sequences of each (step, agent) padded to that group's longest, rounded up to ``bucket``. The
+    packed layout's own count is in :func:`plan_update`'s stats.
+    """
+    S, B, N, L = ctx_valid.shape
+    K = act_valid.shape[-1]
+    n = ctx_valid.sum(-1) + act_valid.sum(-1)                               # [S, B, N]
+    played = n > 0
+    groups = 0
+    for s in range(S):
+        for i in range(N):
+            rows = int(played[s, :, i].sum())
+            if rows:
+                groups += rows * align(int(n[s, :, i].max()), bucket)
+    return {"padded": int(S * B * N * (L + K)), "step_agent_buckets": groups}

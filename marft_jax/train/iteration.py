@@ -182,6 +182,8 @@ class TeamLearner:
         ctx_tok, gen_tok = token_counts(traj)
         metrics["perf/tokens/update/valid"] = pstats["valid_tokens"]
         metrics["perf/tokens/update/computed"] = pstats["computed_tokens"]
+        for name, slots in packing.layout_costs(np.asarray(traj.ctx_valid), np.asarray(traj.act_valid)).items():
+            metrics[f"perf/tokens/update/computed_if_{name}"] = slots * self.update_cfg.epochs
         valid = metrics["perf/tokens/update/valid"] + metrics["perf/tokens/prepare/valid"]
         metrics["perf/padding_ratio"] = (metrics["perf/tokens/update/computed"]
                                          + metrics["perf/tokens/prepare/computed"]) / max(valid, 1)
