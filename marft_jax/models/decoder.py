@@ -67,6 +67,23 @@ class KVCache:
                    valid=jnp.zeros((batch, slots), bool), index=jnp.zeros((), jnp.int32))
 
 
+@flax.struct.dataclass
+class PackedRows:
+    """Sequences packed into rows (any leading axes ``[..., R, T]``), int32 each: ``tokens``,
+    ``segment_ids`` (0 = padding; a token attends only to earlier tokens of its own segment)
+    and per-segment RoPE ``positions``. Built by :mod:`marft_jax.rl.packing`; the padded
+    layout is the special case of one sequence per row (:func:`padded_rows`)."""
+
+    tokens: jax.Array
+    segment_ids: jax.Array
+    positions: jax.Array
+
+
+def padded_rows(tokens: jax.Array, valid: jax.Array) -> PackedRows:
+    """``[B, T]`` padded sequences (one per row) as :class:`PackedRows`."""
+    return PackedRows(tokens=tokens, segment_ids=valid.astype(jnp.int32), positions=position_ids(valid))
+
+
 def init_params(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32, std: float = 0.02) -> Params:
     """Random parameters (tests, benchmarks). Norm weights start at 1, biases small random."""
     n, h, f = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size

@@ -22,6 +22,18 @@ from marft_jax.models.config import ModelConfig
 from marft_jax.models.lora import LoraStack
 
 
+def logprob_and_entropy(z: jax.Array, targets: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``log_softmax(z)[target]`` and the full-vocabulary entropy of ``softmax(z)``.
+
+    z: ``[..., vocab]`` float32 (temperature-scaled logits); targets: ``[...]`` int32.
+    Returns ``(logp, entropy)``, both ``[...]`` float32. The one formula the training forward
+    and the sampler's policy log-probs share (so PPO can use the sampler's as old log-probs).
+    """
+    lse = jax.nn.logsumexp(z, axis=-1)
+    picked = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0]
+    return picked - lse, lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
+
+
 def chunked_logprobs(
     hidden: jax.Array,
     head: jax.Array,
@@ -53,10 +65,7 @@ def chunked_logprobs(
     @jax.checkpoint
     def one(hc, tc):
         z = jnp.einsum("bch,hv->bcv", hc, head.astype(hc.dtype), preferred_element_type=jnp.float32) * inv_t
-        lse = jax.nn.logsumexp(z, axis=-1)
-        picked = jnp.take_along_axis(z, tc[..., None], axis=-1)[..., 0]
-        ent = lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
-        return picked - lse, ent
+        return logprob_and_entropy(z, tc)
 
     def body(_, xs):
         return None, one(*xs)
@@ -102,15 +111,17 @@ def action_logprobs(
 
 def action_logprobs_fn(params, lora, agent, ctx_tokens, ctx_valid, act_tokens, act_valid,
                        temperature, *, cfg: ModelConfig, chunk: int = 128, remat: bool = False):
-    """Un-jitted body of :func:`action_logprobs` (for use inside larger jitted programs)."""
+    """Un-jitted body of :func:`action_logprobs` (for use inside larger jitted programs): the
+    padded layout as packed rows of one sequence each (:func:`packed_action_logprobs_fn`)."""
     chex.assert_equal_shape([ctx_tokens, ctx_valid])
     chex.assert_equal_shape([act_tokens, act_valid])
     L, K = ctx_tokens.shape[1], act_tokens.shape[1]
     tokens, valid = concat_context_action(ctx_tokens, ctx_valid, act_tokens, act_valid)
-    hidden, _ = decoder.forward(params, tokens, valid, cfg=cfg, lora=lora, agent=agent, remat=remat)
-    pred = jax.lax.dynamic_slice_in_dim(hidden, L - 1, K, axis=1)  # positions L-1 .. L+K-2
-    logp, ent = chunked_logprobs(pred, decoder.lm_head(params, cfg), act_tokens, temperature, chunk)
-    return jnp.where(act_valid, logp, 0.0), jnp.where(act_valid, ent, 0.0)
+    rows = tokens.shape[0]
+    gather = (jnp.arange(rows, dtype=jnp.int32)[:, None] * (L + K) + (L - 1)
+              + jnp.arange(K, dtype=jnp.int32)[None, :])                 # positions L-1 .. L+K-2
+    return packed_action_logprobs_fn(params, lora, agent, decoder.padded_rows(tokens, valid), gather,
+                                     act_tokens, act_valid, temperature, cfg=cfg, chunk=chunk, remat=remat)
 
 
 def packed_action_logprobs_fn(params, lora, agent, rows, gather, act_tokens, act_valid, temperature, *,
@@ -118,7 +129,7 @@ def packed_action_logprobs_fn(params, lora, agent, rows, gather, act_tokens, act
     """:func:`action_logprobs_fn` on packed rows (:mod:`marft_jax.rl.packing`).
 
     Args:
-      rows: :class:`~marft_jax.rl.packing.PackedRows` ``[R, T]`` holding the sequences
+      rows: :class:`~marft_jax.models.decoder.PackedRows` ``[R, T]`` holding the sequences
         ``ctx ‖ act`` (valid tokens only), block-diagonal causal attention per segment.
       gather: ``[n, K]`` int32 flat indices into the ``R * T`` slots: the position predicting
         each action token of each of the ``n`` sequences.

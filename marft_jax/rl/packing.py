@@ -30,16 +30,9 @@ import flax.struct
 import jax
 import numpy as np
 
+from marft_jax.models.decoder import PackedRows
+
 ROW_ALIGN = 32  # packed row lengths are multiples of this
-
-
-@flax.struct.dataclass
-class PackedRows:
-    """Packed token rows (any leading axes ``[..., R, T]``), int32 each."""
-
-    tokens: jax.Array
-    segment_ids: jax.Array
-    positions: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,6 +59,7 @@ import numpy as np
 from marft_jax.models import decoder
 from marft_jax.models import lora as lora_lib
 from marft_jax.models.config import ModelConfig
+from marft_jax.models.logprobs import logprob_and_entropy
 from marft_jax.sampling import buckets
 
 Params = dict[str, Any]
@@ -224,14 +225,11 @@ def policy_scores(logits: jax.Array, tokens: jax.Array, policy_temperature: jax.
 
     logits: ``[batch, vocab]`` float32; tokens: ``[batch]`` int32; policy_temperature: float32
     scalar ``T > 0``. Returns ``(logp, entropy)`` ``[batch]`` float32 with ``z = logits / T``:
-    ``logp = z[token] - logsumexp(z)``, ``entropy = logsumexp(z) - sum(softmax(z) * z)``, the
-    same formulas as :func:`marft_jax.models.logprobs.chunked_logprobs`.
+    ``logp = z[token] - logsumexp(z)``, ``entropy = logsumexp(z) - sum(softmax(z) * z)``: the
+    training forward's own :func:`marft_jax.models.logprobs.logprob_and_entropy`.
     """
     z = logits.astype(jnp.float32) * (1.0 / jnp.asarray(policy_temperature, jnp.float32))
-    lse = jax.nn.logsumexp(z, axis=-1)
-    picked = jnp.take_along_axis(z, tokens[:, None], axis=-1)[:, 0]
-    entropy = lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
-    return picked - lse, entropy
+    return logprob_and_entropy(z, tokens)
 
 
 # --------------------------------------------------------------------------- state
