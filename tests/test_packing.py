@@ -36,12 +36,67 @@ def test_first_fit_decreasing_places_without_overlap():
 
 def test_shape_policy_reuses_a_fitting_shape():
     pol = packing.ShapePolicy()
-    r1, t1 = pol.choose([[100, 90, 30], [50]])
-    assert t1 >= 100 and t1 % packing.ROW_ALIGN == 0
+    first = pol.choose([[100, 90, 30], [50]])
+    assert first[-1][1] >= 100 and all(t % packing.ROW_ALIGN == 0 for _, t in first)
+    assert pol.fits([[100, 90, 30], [50]], first)
     again = pol.choose([[95, 80, 20], [40]])
-    assert again == (r1, t1) and len(pol.seen) == 1
+    assert again == first and len(pol.seen) == 1
     bigger = pol.choose([[400, 300]])
-    assert bigger[1] >= 400 and len(pol.seen) == 2
+    assert bigger[-1][1] >= 400 and len(pol.seen) == 2
+
+
+def test_shape_policy_splits_long_and_short_sequences_into_classes():
+    """Bimodal lengths (the reference workload: steps of ~300 and ~850 tokens): short sequences get
+    rows of their own length instead of paying a long row's attention."""
+    groups = [[317, 310, 320, 300, 857, 850, 840, 860]] * 2
+    single = packing.ShapePolicy(max_classes=1, attention_cost=1 / 1500)
+    multi = packing.ShapePolicy(max_classes=3, attention_cost=1 / 1500)
+    s1, s3 = single.choose(groups), multi.choose(groups)
+    assert len(s1) == 1 and len(s3) >= 2
+    assert multi.cost(s3) < single.cost(s1)
+    assert [t for _, t in s3] == sorted(t for _, t in s3)
+    assert s3[0][1] < 857 <= s3[-1][1]
+    for g in groups:   # every sequence has a class and the rows hold them
+        cls = packing.class_of(g, [t for _, t in s3])
+        for c, (r, t) in enumerate(s3):
+            assert packing.first_fit_decreasing(np.asarray(g)[cls == c], t).rows <= r
+    # Without attention cost one class of long rows is as cheap: no extra class is taken.
+    assert len(packing.ShapePolicy(attention_cost=0.0).choose(groups)) == 1
+
+
+def test_full_classes_overflow_to_longer_rows():
+    shape = ((1, 64), (2, 128))
+    placed = packing.place_classes([60, 50, 40, 100], shape)   # 60 fills the 64-row: 50 and 40 move up
+    assert placed is not None
+    (short, _), (long_, place) = placed
+    assert short.tolist() == [0] and sorted(long_.tolist()) == [1, 2, 3] and place.rows == 2
+    assert packing.place_classes([60, 50, 40, 100, 100], shape) is None
+    assert packing.place_classes([129], shape) is None
+    assert packing.first_fit_decreasing([30, 30, 30], 32, max_rows=2).row.tolist() == [0, 1, -1]
+    seqs = [np.arange(n) for n in (60, 50, 40, 100)]
+    classes, gather = packing.pack_group(seqs, [0, 0, 0, 0], 1, shape)
+    flat = np.concatenate([c.tokens.reshape(-1) for c in classes])
+    assert [int(flat[g[0]]) for g in gather] == [0, 0, 0, 0]            # each gathers its own first token
+    assert int(np.concatenate([c.segment_ids.reshape(-1) for c in classes])[gather[3, 0]]) == 4
+    with pytest.raises(ValueError, match="do not fit the packed shape 1x64\\+2x128"):
+        packing.pack_group(seqs + [np.arange(100)], [0] * 5, 1, shape)
+
+
+def test_a_seen_shape_grows_rows_instead_of_churning():
+    pol = packing.ShapePolicy(attention_cost=1 / 1500, seen=[((2, 64), (2, 128))])
+    shape = pol.choose([[60, 60, 120, 120, 120]])   # one more long sequence than the 128-rows hold
+    assert shape == ((2, 64), (3, 128)) and pol.seen[-1] == shape
+    assert pol.fits([[60, 60, 120, 120]], shape)     # and it still holds the old lengths
+
+
+def test_class_of_and_shape_json():
+    np.testing.assert_array_equal(packing.class_of([0, 1, 64, 65, 128], [64, 128]), [0, 0, 0, 1, 1])
+    with pytest.raises(ValueError, match="does not fit"):
+        packing.class_of([129], [64, 128])
+    assert packing.shape_from_json([3, 64]) == ((3, 64),)                 # checkpoints before classes
+    assert packing.shape_from_json([[1, 32], [2, 96]]) == ((1, 32), (2, 96))
+    assert packing.format_shape(((1, 32), (2, 96))) == "1x32+2x96"
+    assert packing.shape_slots(((1, 32), (2, 96))) == 224
 
 
 def _tiny(seed=0):
@@ -67,13 +122,16 @@ def test_packed_logprobs_equal_padded():
     agent = jnp.int32(1)
     ref_lp, ref_ent = logprobs.action_logprobs(base, lora, agent, ctx, cv, act, av, 0.7, cfg=CFG)
     seqs = [packing.sequence(ctx[j], cv[j], act[j], av[j]) for j in range(n)]
-    rows, t = 4, 32
-    packed, gather = packing.pack_group(seqs, np.maximum(cv.sum(-1) - 1, 0), K, rows, t)
-    assert packing.first_fit_decreasing([len(s) for s in seqs], t).rows <= rows
-    lp, ent = jax.jit(logprobs.packed_action_logprobs_fn, static_argnames=("cfg",))(
-        base, lora, agent, jax.tree.map(jnp.asarray, packed), jnp.asarray(gather), act, av, 0.7, cfg=CFG)
-    np.testing.assert_allclose(np.asarray(lp), np.asarray(ref_lp), atol=2e-5)
-    np.testing.assert_allclose(np.asarray(ent), np.asarray(ref_ent), atol=2e-5)
+    lengths = [len(s) for s in seqs]
+    fn = jax.jit(logprobs.packed_action_logprobs_fn, static_argnames=("cfg",))
+    # One class of 32-slot rows, and two classes (short sequences in rows of their own length).
+    ffd = lambda keep, t: packing.first_fit_decreasing([n for n in lengths if keep(n)], t).rows
+    for shape in (((4, 32),), ((ffd(lambda n: n <= 10, 10), 10), (ffd(lambda n: n > 10, 18), 18))):
+        packed, gather = packing.pack_group(seqs, np.maximum(cv.sum(-1) - 1, 0), K, shape)
+        assert len(packed) == len(shape)
+        lp, ent = fn(base, lora, agent, jax.tree.map(jnp.asarray, packed), jnp.asarray(gather), act, av, 0.7, cfg=CFG)
+        np.testing.assert_allclose(np.asarray(lp), np.asarray(ref_lp), atol=2e-5)
+        np.testing.assert_allclose(np.asarray(ent), np.asarray(ref_ent), atol=2e-5)
 
 
 def _update_setup(level, seed=0, S=2, B=4, N=2, L=10, K=5):
@@ -100,9 +158,10 @@ def _update_setup(level, seed=0, S=2, B=4, N=2, L=10, K=5):
     return base, state, batch, optim
 
 
-@pytest.mark.parametrize("level", ["action", "token"])
-def test_packed_update_equals_padded(level):
-    base, state, batch, optim = _update_setup(level)
+@pytest.mark.parametrize("level,classes,L", [("action", None, 10), ("token", None, 10),
+                                            ("action", ((4, 64), (2, 96)), 80)])
+def test_packed_update_equals_padded(level, classes, L):
+    base, state, batch, optim = _update_setup(level, L=L)
     ucfg = UpdateConfig(level=level, optim=optim, kl_stop=None, ent_coef=0.01, epochs=2, num_minibatches=2,
                         micro_batches=2)
     mask, flag = jnp.ones((2,), bool), jnp.asarray(True)
@@ -112,8 +171,11 @@ def test_packed_update_equals_padded(level):
     perms = packing.minibatch_perms(state.rng, 4, 2, 2)
     host = jax.tree.map(np.asarray, batch)
     plan, stats = packing.plan_update(host.ctx_tokens, host.ctx_valid, host.act_tokens, host.act_valid, perms,
-                                      micro_batches=2, policy=packing.ShapePolicy())
+                                      micro_batches=2, policy=packing.ShapePolicy(
+                                          reuse_slack=100.0, seen=[classes] if classes else []))
     assert stats["computed_tokens"] >= stats["valid_tokens"] > 0
+    if classes:   # a compiled two-class shape that fits is reused: short and long sequences apart
+        assert stats["shape"] == classes and len(plan.rows) == 2
     packed_batch = batch.replace(ctx_tokens=None, ctx_valid=None)
     new_state, met = ppo_update(base, copy(state), packed_batch, mask, flag, cfg=CFG, ucfg=ucfg,
                                 plan=jax.tree.map(jnp.asarray, plan))

@@ -332,6 +332,40 @@ def forward(
     return hidden, new_cache
 
 
+REMAT_AUTO_LEN = 512  # remat=None recomputes blocks from this row length (slots) up
+
+
+def resolve_remat(remat: bool | None, seq_len: int) -> bool:
+    """``remat`` itself, or for ``None`` (auto) whether a ``seq_len``-slot forward rematerializes.
+
+    Below ~512 slots the saved activations of a small model fit easily and recomputing costs
+    ~30 % more compute; above, the per-layer ``[rows, heads, T, T]`` attention buffers kept for
+    the backward pass dominate memory (the reference workload planned ~100 GiB without remat).
+    """
+    return (seq_len >= REMAT_AUTO_LEN) if remat is None else bool(remat)
+
+
+def forward_packed(params: Params, rows: PackedRows | tuple[PackedRows, ...], *, cfg: ModelConfig,
+                   lora: lora_lib.LoraStack | None = None, agent: jax.Array | int | None = None,
+                   remat: bool | None = False) -> jax.Array:
+    """Hidden states of packed rows, flat: ``[Σ_c R_c · T_c, H]``, class after class.
+
+    ``rows``: one :class:`PackedRows` ``[R, T]`` or one per length class (``[R_c, T_c]``,
+    :mod:`marft_jax.rl.packing`); each class is its own forward (a handful, static), so its
+    attention is ``T_c²`` per row, not the longest class's. ``remat`` as :func:`resolve_remat`
+    (None: per class by its row length).
+    """
+    if isinstance(rows, PackedRows):
+        rows = (rows,)
+    out = []
+    for r in rows:
+        seg = r.segment_ids
+        hidden, _ = forward(params, r.tokens, seg > 0, cfg=cfg, positions=r.positions, lora=lora, agent=agent,
+                            remat=resolve_remat(remat, r.tokens.shape[-1]), segment_ids=seg)
+        out.append(hidden.reshape((-1, hidden.shape[-1])))
+    return out[0] if len(out) == 1 else jnp.concatenate(out, axis=0)
+
+
 def lm_head(params: Params, cfg: ModelConfig) -> jax.Array:
     """The output projection ``[H, vocab]`` (the transposed embedding when tied)."""
     return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]

@@ -125,23 +125,22 @@ def action_logprobs_fn(params, lora, agent, ctx_tokens, ctx_valid, act_tokens, a
 
 
 def packed_action_logprobs_fn(params, lora, agent, rows, gather, act_tokens, act_valid, temperature, *,
-                              cfg: ModelConfig, chunk: int = 128, remat: bool = False):
+                              cfg: ModelConfig, chunk: int = 128, remat: bool | None = False):
     """:func:`action_logprobs_fn` on packed rows (:mod:`marft_jax.rl.packing`).
 
     Args:
-      rows: :class:`~marft_jax.models.decoder.PackedRows` ``[R, T]`` holding the sequences
-        ``ctx ‖ act`` (valid tokens only), block-diagonal causal attention per segment.
-      gather: ``[n, K]`` int32 flat indices into the ``R * T`` slots: the position predicting
-        each action token of each of the ``n`` sequences.
+      rows: :class:`~marft_jax.models.decoder.PackedRows` ``[R, T]`` (or one per length class)
+        holding the sequences ``ctx ‖ act`` (valid tokens only), block-diagonal causal attention
+        per segment.
+      gather: ``[n, K]`` int32 flat indices into the slots (classes end to end): the position
+        predicting each action token of each of the ``n`` sequences.
       act_tokens, act_valid: ``[n, K]`` the actions (right-padded).
+      remat: as :func:`~marft_jax.models.decoder.resolve_remat` (None: auto per class).
     Returns:
       ``(logp, entropy)`` ``[n, K]`` float32, zero where ``act_valid`` is False.
     """
     chex.assert_equal_shape([act_tokens, act_valid, gather])
-    seg = rows.segment_ids
-    hidden, _ = decoder.forward(params, rows.tokens, seg > 0, cfg=cfg, positions=rows.positions,
-                                lora=lora, agent=agent, remat=remat, segment_ids=seg)
-    flat = hidden.reshape((-1, hidden.shape[-1]))
+    flat = decoder.forward_packed(params, rows, cfg=cfg, lora=lora, agent=agent, remat=remat)
     pred = jnp.take(flat, gather, axis=0)                         # [n, K, H]
     logp, ent = chunked_logprobs(pred, decoder.lm_head(params, cfg), act_tokens, temperature, chunk)
     return jnp.where(act_valid, logp, 0.0), jnp.where(act_valid, ent, 0.0)

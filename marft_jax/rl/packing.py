@@ -4,14 +4,17 @@ A trajectory stores every (step, row, agent) context left-padded to one bucket `
 action right-padded to ``K``; a forward over ``[L + K]`` per sequence spends most of its work
 on padding when contexts vary (the reference workload: contexts of 130-830 tokens, bucket 1024,
 3.4x the valid tokens). Here the *valid* tokens of each sequence are laid end to end in rows of
-``T`` slots (first-fit decreasing), with
+``T`` slots (first-fit decreasing). Sequences fall into up to three *length classes*, each with
+rows of its own length (a :data:`Shape`): dense attention costs each row ``T²``, so a 300-token
+sequence packed into a 1,344-slot row would pay for the long ones. Per class:
 
-* ``segment_ids [R, T]`` int32: ``j + 1`` on the tokens of the group's sequence ``j``, 0 on padding; the decoder's attention mask is block-diagonal causal over equal ids
+* ``segment_ids [R, T]`` int32: ``j + 1`` on the tokens of the group's sequence ``j``, 0 on
+  padding; the decoder's attention mask is block-diagonal causal over equal ids
   (``decoder.forward(..., segment_ids=...)``);
 * ``positions [R, T]`` int32: RoPE positions restarting at 0 in every sequence (exactly the
   positions the padded layout gives, since those skip left padding);
-* ``gather [n, P]`` int32: for sequence ``n``, the flat index (into the ``R * T`` slots of its
-  group) of the hidden state at each of its ``P`` read positions. Actions read ``P = K``
+* ``gather [n, P]`` int32 (one table for all classes): for sequence ``n``, the flat index (into
+  the slots of its group, the classes end to end) of the hidden state at each of its ``P`` read positions. Actions read ``P = K``
   positions ``c - 1 + k`` (the one predicting action token ``k``, ``c`` = valid context tokens);
   action-level critic features read ``P = 1`` at ``c - 1``. Positions past a sequence's end are
   clamped into its row (they are masked downstream, as the padded layout's are).
@@ -33,22 +36,29 @@ import numpy as np
 from marft_jax.models.decoder import PackedRows
 
 ROW_ALIGN = 32  # packed row lengths are multiples of this
+# attention_cost_of counts FLOPs; measured on XLA:CPU (SmolLM2-135M, rows of 448 vs 1,344 slots),
+# the dense attention of a LoRA gradient pass costs ~2x its FLOP share (its backward moves the
+# [T, T] scores several times) and a forward pass ~0.7x.
+BACKWARD_ATTENTION_WEIGHT = 2.0
+FORWARD_ATTENTION_WEIGHT = 0.7
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where each sequence of one group went: ``row [n]``, ``start [n]`` (slot), ``rows`` used."""
+    """Where each sequence of one group went: ``row [n]`` (-1: not placed), ``start [n]`` (slot),
+    ``rows`` used."""
 
     row: np.ndarray
     start: np.ndarray
     rows: int
 
 
-def first_fit_decreasing(lengths: Sequence[int], row_len: int) -> Placement:
+def first_fit_decreasing(lengths: Sequence[int], row_len: int, max_rows: int | None = None) -> Placement:
     """Place sequences of ``lengths`` into rows of ``row_len`` slots, longest first.
 
     Empty sequences (length 0) take no slot (row 0, start 0). Raises ``ValueError`` when a
-    sequence is longer than a row.
+    sequence is longer than a row. With ``max_rows``, a sequence that fits none of the rows once
+    ``max_rows`` are open is left out (``row = -1``).
     """
     lengths = np.asarray(lengths, np.int64)
     if lengths.size and lengths.max() > row_len:
@@ -64,6 +74,9 @@ def first_fit_decreasing(lengths: Sequence[int], row_len: int) -> Placement:
             if f >= n:
                 break
         else:
+            if max_rows is not None and len(free) >= max_rows:
+                row[j] = -1
+                continue
             r = len(free)
             free.append(row_len)
         row[j], start[j] = r, row_len - free[r]
@@ -76,20 +89,81 @@ def align(n: int, multiple: int = ROW_ALIGN) -> int:
     return max(multiple, -(-int(n) // multiple) * multiple)
 
 
+Shape = tuple[tuple[int, int], ...]
+"""A packed shape: ``((rows, row_len), ...)``, one entry per length class, ``row_len`` ascending.
+A sequence of ``n`` tokens goes to the first class with ``row_len >= n`` (:func:`class_of`)."""
+
+
+def class_of(lengths: Sequence[int], row_lens: Sequence[int]) -> np.ndarray:
+    """Index of the length class of each sequence: the first ``row_lens[c] >= n`` (ascending
+    ``row_lens``; empty sequences go to class 0 and take no slot). Raises ``ValueError`` when a
+    sequence is longer than the last class's rows."""
+    lengths = np.asarray(lengths, np.int64)
+    row_lens = np.asarray(row_lens, np.int64)
+    if lengths.size and lengths.max() > row_lens[-1]:
+        raise ValueError(f"a sequence of {int(lengths.max())} tokens does not fit a packed row of {int(row_lens[-1])}")
+    return np.searchsorted(row_lens, lengths, side="left").astype(np.int32)
+
+
+def place_classes(lengths: Sequence[int], shape: Shape) -> list[tuple[np.ndarray, Placement]] | None:
+    """Place one group into the classes of ``shape``: each sequence goes to the first class whose
+    rows are long enough (:func:`class_of`) and, when that class's rows are full, overflows to the
+    next one (so a compiled shape keeps fitting as lengths drift). Returns per class
+    ``(indices of its sequences, their placement)``, or None when some sequence fits nowhere."""
+    lengths = np.asarray(lengths, np.int64)
+    if lengths.size and lengths.max() > shape[-1][1]:
+        return None
+    cls = class_of(lengths, [t for _, t in shape])
+    pending = np.zeros(0, np.int64)
+    out = []
+    for c, (rows, row_len) in enumerate(shape):
+        members = np.concatenate([pending, np.flatnonzero((cls == c) & (lengths > 0))])
+        place = first_fit_decreasing(lengths[members], row_len, max_rows=rows)
+        ok = place.row >= 0
+        out.append((members[ok], Placement(row=place.row[ok], start=place.start[ok], rows=place.rows)))
+        pending = members[~ok]
+    return None if pending.size else out
+
+
+def shape_from_json(x) -> Shape:
+    """A :data:`Shape` from its JSON lists (checkpoints); an old single-class ``[rows, row_len]``
+    is read as one class."""
+    if len(x) == 2 and all(isinstance(v, int) for v in x):
+        x = [x]
+    return tuple((int(r), int(t)) for r, t in x)
+
+
+def shape_slots(shape: Shape) -> int:
+    """Slots of one forward over every class of ``shape``."""
+    return int(sum(r * t for r, t in shape))
+
+
+def format_shape(shape: Shape) -> str:
+    """``"2x640+4x864"``."""
+    return "+".join(f"{r}x{t}" for r, t in shape)
+
+
 @dataclasses.dataclass
 class ShapePolicy:
-    """Chooses the static ``(rows, row_len)`` of packed groups and remembers what compiled.
+    """Chooses the static packed :data:`Shape` of a set of groups and remembers what compiled.
 
-    For a set of groups (sequence-length lists, all packed to one shape), it tries row lengths
-    ``align(longest * f)`` for ``f`` in ``row_len_factors`` and ``align(total / r)`` for
-    ``r = 1 .. max_split`` rows (``total``: the largest group's tokens; only lengths that hold the
-    longest sequence) and takes the cheapest by :meth:`cost` (``rows`` = the most rows any group
-    needs): the slots ``rows * row_len`` (the linear layers' work) plus the dense attention of
-    each row, ``rows * row_len² * attention_cost`` (``attention_cost``: one query-key pair's
-    FLOPs over one token's linear FLOPs, :func:`attention_cost_of`; without it one long row
-    would always win). A shape seen before is reused when it fits and costs at most
-    ``reuse_slack`` times the best fresh shape; otherwise the fresh shape is adopted (one more
-    compile). ``minimum_row_len`` keeps tiny batches from compiling many small shapes.
+    Every group (a list of sequence lengths) is packed to the same shape: up to ``max_classes``
+    length classes, each a ``[rows, row_len]`` block of its own, so that short sequences do not
+    pay the attention of long rows (dense attention is quadratic in the row length). The cost of
+    a shape is the linear layers' work (its slots) plus each row's dense attention:
+    ``Σ rows · row_len · (1 + row_len · attention_cost)`` (``attention_cost``: one query-key
+    pair's cost over one token's linear cost, :func:`attention_cost_of` times a measured factor);
+    an extra class must save ``class_gain`` of the cost (it is one more forward per call and
+    more compiled shapes).
+
+    Row lengths are tried from the groups' own (aligned) lengths, multiples of the longest by
+    ``row_len_factors`` and splits of the largest group into ``1 .. max_split`` rows; class
+    boundaries are chosen by dynamic programming over those candidates on a lower bound of
+    first-fit-decreasing's rows (``max(⌈tokens / row_len⌉, #sequences > row_len / 2)``); the
+    chosen shape's rows are then exact. A shape seen before is reused when every group fits it
+    and it costs at most ``reuse_slack`` times the best fresh shape; otherwise the fresh shape is
+    adopted (one more compile). ``minimum_row_len`` keeps tiny batches from compiling many
+    small shapes.
     """
 
     reuse_slack: float = 1.25
@@ -97,30 +171,112 @@ class ShapePolicy:
     max_split: int = 8
     minimum_row_len: int = ROW_ALIGN
     attention_cost: float = 1.0 / 3000.0     # SmolLM2-135M; see attention_cost_of
-    seen: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    max_classes: int = 3
+    class_gain: float = 0.05
+    max_candidates: int = 24
+    seen: list[Shape] = dataclasses.field(default_factory=list)
 
-    def cost(self, rows: int, row_len: int) -> float:
+    def row_cost(self, rows: int, row_len: int) -> float:
         """Relative work of a ``[rows, row_len]`` packed forward (linear layers + dense attention)."""
         return rows * row_len * (1.0 + row_len * self.attention_cost)
 
-    def choose(self, groups: Sequence[Sequence[int]]) -> tuple[int, int]:
-        """``(rows, row_len)`` for packing every group of sequence lengths."""
-        longest = max([max(g, default=0) for g in groups] + [1])
+    def cost(self, shape: Shape) -> float:
+        return sum(self.row_cost(r, t) for r, t in shape)
+
+    def rows_needed(self, groups: Sequence[Sequence[int]], row_lens: Sequence[int]) -> list[int]:
+        """Exact first-fit-decreasing rows per class (the most any group needs)."""
+        need = [0] * len(row_lens)
+        for g in groups:
+            g = np.asarray(g, np.int64)
+            cls = class_of(g, row_lens)
+            for c, t in enumerate(row_lens):
+                members = g[(cls == c) & (g > 0)]
+                if members.size:
+                    need[c] = max(need[c], first_fit_decreasing(members, t).rows)
+        return need
+
+    def fits(self, groups: Sequence[Sequence[int]], shape: Shape) -> bool:
+        """Whether every group packs into ``shape`` (:func:`place_classes`, with overflow)."""
+        return all(place_classes(g, shape) is not None for g in groups)
+
+    def _candidates(self, groups: Sequence[Sequence[int]]) -> list[int]:
+        lengths = np.concatenate([np.asarray(g, np.int64) for g in groups] + [np.zeros(1, np.int64)])
+        lengths = lengths[lengths > 0]
+        longest = int(lengths.max()) if lengths.size else 1
         base = max(align(longest), self.minimum_row_len)
-
-        def rows_needed(row_len: int) -> int:
-            return max(1, max(first_fit_decreasing(g, row_len).rows for g in groups))
-
         total = max([sum(g) for g in groups] + [1])
-        candidates = {align(base * f) for f in self.row_len_factors}
-        candidates |= {max(base, align(-(-total // r))) for r in range(1, self.max_split + 1)}
-        best_cost, best_t = min((self.cost(rows_needed(t), t), t) for t in candidates)
-        fits = [(self.cost(r, t), r, t) for r, t in self.seen if t >= longest and r >= rows_needed(t)]
-        if fits:
-            c, r, t = min(fits)
-            if c <= self.reuse_slack * best_cost:
-                return r, t
-        shape = (rows_needed(best_t), best_t)
+        own = sorted({max(align(n), self.minimum_row_len) for n in lengths.tolist()})
+        if len(own) > self.max_candidates:   # quantiles of the groups' own lengths, the longest kept
+            own = sorted({own[int(round(q))] for q in np.linspace(0, len(own) - 1, self.max_candidates)})
+        top = {align(base * f) for f in self.row_len_factors}
+        top |= {max(base, align(-(-total // r))) for r in range(1, self.max_split + 1)}
+        return sorted(set(own) | top)
+
+    def _fresh(self, groups: Sequence[Sequence[int]]) -> Shape:
+        """The cheapest shape of at most ``max_classes`` classes (lower-bound rows, then exact)."""
+        cands = self._candidates(groups)
+        longest = max([max(g, default=0) for g in groups] + [1])
+        sorted_groups = [np.sort(np.asarray([n for n in g if n > 0], np.int64)) for g in groups]
+        sums = [np.concatenate([[0], np.cumsum(g)]) for g in sorted_groups]
+
+        def lower_rows(lo: int, t: int) -> int:   # sequences with lo < n <= t in rows of t
+            r = 0
+            for g, cs in zip(sorted_groups, sums):
+                a, b = np.searchsorted(g, lo, side="right"), np.searchsorted(g, t, side="right")
+                if b > a:
+                    half = max(a, np.searchsorted(g, t // 2, side="right"))
+                    r = max(r, -(-int(cs[b] - cs[a]) // t), int(b - half))
+            return r
+
+        m = len(cands)
+        inf = float("inf")
+        # best[k][j]: cost of k classes covering every sequence <= cands[j], the last class cands[j].
+        best = [[inf] * m for _ in range(self.max_classes + 1)]
+        back: dict[tuple[int, int], int] = {}
+        for j in range(m):
+            best[1][j] = self.row_cost(lower_rows(0, cands[j]), cands[j])
+        for k in range(2, self.max_classes + 1):
+            for j in range(m):
+                for i in range(j):
+                    if best[k - 1][i] == inf:
+                        continue
+                    c = best[k - 1][i] + self.row_cost(lower_rows(cands[i], cands[j]), cands[j])
+                    if c < best[k][j]:
+                        best[k][j], back[(k, j)] = c, i
+        bounds = []
+        for k in range(1, self.max_classes + 1):
+            for j in range(m):
+                if cands[j] >= longest and best[k][j] < inf:
+                    lens, kk, jj = [cands[j]], k, j
+                    while kk > 1:
+                        jj = back[(kk, jj)]
+                        kk -= 1
+                        lens.append(cands[jj])
+                    bounds.append((best[k][j] * (1.0 + self.class_gain * (k - 1)), tuple(lens[::-1])))
+        options = []
+        for _, lens in sorted(bounds)[:8]:   # exact rows for the best few by the bound
+            need = self.rows_needed(groups, lens)
+            shape = tuple((r, t) for r, t in zip(need, lens) if r > 0) or ((1, lens[-1]),)
+            options.append((self.cost(shape) * (1.0 + self.class_gain * (len(shape) - 1)), shape))
+        return min(options)[1]
+
+    def choose(self, groups: Sequence[Sequence[int]]) -> Shape:
+        """The :data:`Shape` for packing every group of sequence lengths."""
+        fresh = self._fresh(groups)
+        limit = self.reuse_slack * self.cost(fresh)
+        fitting = [(self.cost(s), s) for s in self.seen if self.fits(groups, s)]
+        if fitting and min(fitting)[0] <= limit:
+            return min(fitting)[1]
+        # A new program either way: prefer growing a seen shape's rows (it then holds the old
+        # lengths and the new, so the shapes stop churning) while that stays within the slack.
+        longest = max([max(g, default=0) for g in groups] + [0])
+        grown = []
+        for s in self.seen:
+            if s[-1][1] >= longest:
+                need = self.rows_needed(groups, [t for _, t in s])
+                g = tuple((max(r, n), t) for (r, t), n in zip(s, need))
+                grown.append((self.cost(g), g))
+        shape = min(grown)[1] if grown and min(grown)[0] <= limit else fresh
         self.seen.append(shape)
         return shape
 
@@ -133,38 +289,42 @@ def attention_cost_of(cfg) -> float:
     return (4.0 * cfg.q_size) / (2.0 * per_layer)
 
 
-def pack_group(seqs: Sequence[np.ndarray], read_start: Sequence[int], read_count: int, rows: int,
-               row_len: int, pad_id: int = 0) -> tuple[PackedRows, np.ndarray]:
-    """Pack one group of token sequences into ``[rows, row_len]``.
+def pack_group(seqs: Sequence[np.ndarray], read_start: Sequence[int], read_count: int, shape: Shape,
+               pad_id: int = 0) -> tuple[tuple[PackedRows, ...], np.ndarray]:
+    """Pack one group of token sequences into the classes of ``shape``.
 
     Args:
       seqs: 1-D int token arrays (valid tokens only; empty = an absent sequence).
       read_start: per sequence, the first read position inside it (``c - 1``).
       read_count: ``P``, positions read per sequence (``read_start + p``, clamped into the row).
-      rows, row_len: the static shape (from :class:`ShapePolicy`).
+      shape: the static :data:`Shape` (from :class:`ShapePolicy`).
     Returns:
-      ``(PackedRows of NumPy [rows, row_len], gather [n, P] int32 flat indices)``; absent
-      sequences gather slot 0 (their outputs are masked downstream).
+      ``(one PackedRows of NumPy [rows_c, row_len_c] per class, gather [n, P] int32)``: flat
+      indices into the classes' slots laid end to end (class ``c`` from ``Σ_{c'<c} rows·row_len``;
+      :func:`~marft_jax.models.decoder.forward_packed` returns hidden states in that order);
+      absent sequences gather slot 0 (their outputs are masked downstream).
     """
-    lengths = [len(s) for s in seqs]
-    place = first_fit_decreasing(lengths, row_len)
-    if place.rows > rows:
-        raise ValueError(f"packing needs {place.rows} rows, the shape has {rows}")
-    tokens = np.full((rows, row_len), pad_id, np.int32)
-    seg = np.zeros((rows, row_len), np.int32)
-    pos = np.zeros((rows, row_len), np.int32)
+    lengths = np.asarray([len(s) for s in seqs], np.int64)
+    placed = place_classes(lengths, shape)
+    if placed is None:
+        raise ValueError(f"sequences of {sorted(lengths.tolist(), reverse=True)} tokens do not fit the packed "
+                         f"shape {format_shape(shape)}")
     gather = np.zeros((len(seqs), read_count), np.int32)
     offs = np.arange(read_count)
-    for j, s in enumerate(seqs):
-        n = lengths[j]
-        if n == 0:
-            continue
-        r, o = int(place.row[j]), int(place.start[j])
-        tokens[r, o:o + n] = s
-        seg[r, o:o + n] = j + 1
-        pos[r, o:o + n] = np.arange(n)
-        gather[j] = r * row_len + np.minimum(o + int(read_start[j]) + offs, row_len - 1)
-    return PackedRows(tokens=tokens, segment_ids=seg, positions=pos), gather
+    out, base = [], 0
+    for (rows, row_len), (members, place) in zip(shape, placed):
+        tokens = np.full((rows, row_len), pad_id, np.int32)
+        seg = np.zeros((rows, row_len), np.int32)
+        pos = np.zeros((rows, row_len), np.int32)
+        for j, r, o in zip(members, place.row, place.start):
+            n, r, o = int(lengths[j]), int(r), int(o)
+            tokens[r, o:o + n] = seqs[j]
+            seg[r, o:o + n] = j + 1
+            pos[r, o:o + n] = np.arange(n)
+            gather[j] = base + r * row_len + np.minimum(o + int(read_start[j]) + offs, row_len - 1)
+        out.append(PackedRows(tokens=tokens, segment_ids=seg, positions=pos))
+        base += rows * row_len
+    return tuple(out), gather
 
 
 def valid_tokens(ctx_valid: np.ndarray, act_valid: np.ndarray | None = None) -> np.ndarray:
@@ -192,14 +352,14 @@ class UpdatePlan:
 
     perms: ``[E, M, b]`` int32, the batch rows of minibatch ``m`` of epoch ``e`` (the update
       uses these instead of drawing its own).
-    rows: :class:`PackedRows` ``[E, M, N, u * R, T]``: agent ``i``'s sequences of the minibatch,
-      micro-batch ``v`` in rows ``v*R .. (v+1)*R - 1``.
+    rows: one :class:`PackedRows` per length class ``c``, ``[E, M, N, u * R_c, T_c]``: agent
+      ``i``'s sequences of the minibatch, micro-batch ``v`` in rows ``v*R_c .. (v+1)*R_c - 1``.
     gather: ``[E, M, N, S * b, K]`` int32, per sequence (the update's agent-major row order
-      ``s * b + j``), flat indices into its micro-batch's ``R * T`` slots.
+      ``s * b + j``), flat indices into its micro-batch's slots (the classes end to end).
     """
 
     perms: jax.Array
-    rows: PackedRows
+    rows: tuple[PackedRows, ...]
     gather: jax.Array
 
 
@@ -248,11 +408,9 @@ def plan_update(ctx_tokens: np.ndarray, ctx_valid: np.ndarray, act_tokens: np.nd
     for k in keys:
         s_idx, b_idx = group_members(*k)
         lengths[k] = list(n_ctx[s_idx, b_idx, k[2]] + n_act[s_idx, b_idx, k[2]])
-    R, T = policy.choose(list(lengths.values()))
+    shape = policy.choose(list(lengths.values()))
 
-    tok = np.zeros((E, M, N, micro_batches * R, T), np.int32)
-    seg = np.zeros_like(tok)
-    pos = np.zeros_like(tok)
+    rows = [PackedRows(*(np.zeros((E, M, N, micro_batches * r, t), np.int32) for _ in range(3))) for r, t in shape]
     gather = np.zeros((E, M, N, rows_per_agent, K), np.int32)
     for k in keys:
         e, m, i, v = k
@@ -260,14 +418,17 @@ def plan_update(ctx_tokens: np.ndarray, ctx_valid: np.ndarray, act_tokens: np.nd
         seqs = [sequence(ctx_tokens[s, bb, i], ctx_valid[s, bb, i], act_tokens[s, bb, i], act_valid[s, bb, i])
                 for s, bb in zip(s_idx, b_idx)]
         starts = np.maximum(n_ctx[s_idx, b_idx, i] - 1, 0)
-        rows, g = pack_group(seqs, starts, K, R, T, pad_id)
-        sl = slice(v * R, (v + 1) * R)
-        tok[e, m, i, sl], seg[e, m, i, sl], pos[e, m, i, sl] = rows.tokens, rows.segment_ids, rows.positions
+        classes, g = pack_group(seqs, starts, K, shape, pad_id)
+        for dst, src, (r, _) in zip(rows, classes, shape):
+            sl = slice(v * r, (v + 1) * r)
+            dst.tokens[e, m, i, sl] = src.tokens
+            dst.segment_ids[e, m, i, sl] = src.segment_ids
+            dst.positions[e, m, i, sl] = src.positions
         gather[e, m, i, v * per_micro:(v + 1) * per_micro] = g
     valid = int(sum(sum(x) for x in lengths.values()))
-    stats = {"valid_tokens": valid, "computed_tokens": int(E * M * N * micro_batches * R * T),
-             "rows": R, "row_len": T}
-    return UpdatePlan(perms=perms.astype(np.int32), rows=PackedRows(tok, seg, pos), gather=gather), stats
+    stats = {"valid_tokens": valid, "computed_tokens": int(E * M * N * micro_batches * shape_slots(shape)),
+             "shape": shape}
+    return UpdatePlan(perms=perms.astype(np.int32), rows=tuple(rows), gather=gather), stats
 
 
 def layout_costs(ctx_valid: np.ndarray, act_valid: np.ndarray, *, bucket: int = ROW_ALIGN) -> dict[str, int]:

@@ -30,6 +30,7 @@ import optax
 
 from marft_jax.models import logprobs as lp_lib
 from marft_jax.models.config import ModelConfig
+from marft_jax.models.decoder import REMAT_AUTO_LEN, resolve_remat  # noqa: F401 (re-exported)
 from marft_jax.models.critic import CriticParams, critic_features_fn, value_head
 from marft_jax.models.lora import LoraStack
 from marft_jax.rl import layout, losses
@@ -104,19 +105,6 @@ def _micro(x: jax.Array, m: int) -> jax.Array:
     return x.reshape((m, x.shape[0] // m) + x.shape[1:])
 
 
-REMAT_AUTO_LEN = 512  # remat=None recomputes blocks from this sequence length (slots per row) up
-
-
-def resolve_remat(remat: bool | None, seq_len: int) -> bool:
-    """``remat`` itself, or for ``None`` (auto) whether a ``seq_len``-slot forward rematerializes.
-
-    Below ~512 slots the saved activations of a small model fit easily and recomputing costs
-    ~30 % more compute; above, the per-layer ``[rows, heads, T, T]`` attention buffers kept for
-    the backward pass dominate memory (the reference workload planned ~100 GiB without remat).
-    """
-    return (seq_len >= REMAT_AUTO_LEN) if remat is None else bool(remat)
-
-
 def _policy_logprobs(base, lora_m: LoraStack, cfg: ModelConfig, ucfg: UpdateConfig, d: dict, remat: bool | None):
     """Per-token log-probs and entropies ``[rows, K]`` of one agent's (micro-)batch ``d``.
 
@@ -125,7 +113,6 @@ def _policy_logprobs(base, lora_m: LoraStack, cfg: ModelConfig, ucfg: UpdateConf
     """
     agent = jnp.zeros((), jnp.int32)
     if "packed" in d:
-        remat = resolve_remat(remat, d["packed"].tokens.shape[-1])
         return lp_lib.packed_action_logprobs_fn(
             base, lora_m, agent, d["packed"], d["gather"], d["act_tokens"], d["act_valid"],
             ucfg.temperature, cfg=cfg, chunk=ucfg.chunk, remat=remat)
@@ -216,8 +203,9 @@ def update_agents(base, cfg: ModelConfig, ucfg: UpdateConfig, lora: LoraStack, l
                   train_mask: jax.Array, packed: tuple[PackedRows, jax.Array] | None = None):
     """Update every agent on one minibatch by ``ucfg.agent_schedule``. Returns new (lora, opt, metrics[N]).
 
-    ``packed``: optional ``(rows [N, u*R, T], gather [N, S*b, K])`` of this minibatch
-    (:class:`~marft_jax.rl.packing.UpdatePlan`); without it the padded contexts are used.
+    ``packed``: optional ``(rows, gather [N, S*b, K])`` of this minibatch, rows one
+    ``[N, u*R_c, T_c]`` PackedRows per length class (:class:`~marft_jax.rl.packing.UpdatePlan`);
+    without it the padded contexts are used.
     """
     fields = ("act_tokens", "act_valid", "logp_old", "adv", "dp_mask", "word_count")
     if packed is None:

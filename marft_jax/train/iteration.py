@@ -104,8 +104,11 @@ class TeamLearner:
 
     def __post_init__(self) -> None:
         cost = packing.attention_cost_of(self.cfg)
-        for policy in (self.update_shapes, self.prepare_shapes.features, self.prepare_shapes.logprobs):
-            policy.attention_cost = cost
+        self.update_shapes.attention_cost = cost * packing.BACKWARD_ATTENTION_WEIGHT
+        for policy in (self.prepare_shapes.features, self.prepare_shapes.logprobs):
+            policy.attention_cost = cost * packing.FORWARD_ATTENTION_WEIGHT
+            # Forward-only passes: length classes save little there and each new shape compiles.
+            policy.max_classes = 1
 
     def play(self, state: TrainState, problems: Sequence[Problem], key, sampling: SamplingConfig | None = None,
              rollout_cfg: RolloutConfig | None = None):
@@ -195,15 +198,15 @@ class TeamLearner:
     def packed_shapes(self) -> dict[str, list[list[int]]]:
         """The packed shapes compiled so far (saved with checkpoints: a resumed run packs as the
         uninterrupted one would, so its results are the same to the bit)."""
-        return {"update": [list(x) for x in self.update_shapes.seen],
-                "features": [list(x) for x in self.prepare_shapes.features.seen],
-                "logprobs": [list(x) for x in self.prepare_shapes.logprobs.seen]}
+        as_lists = lambda policy: [[list(c) for c in shape] for shape in policy.seen]
+        return {"update": as_lists(self.update_shapes), "features": as_lists(self.prepare_shapes.features),
+                "logprobs": as_lists(self.prepare_shapes.logprobs)}
 
     def load_packed_shapes(self, shapes: dict) -> None:
         """Restore :meth:`packed_shapes` (missing entries: nothing compiled yet)."""
         for name, policy in (("update", self.update_shapes), ("features", self.prepare_shapes.features),
                              ("logprobs", self.prepare_shapes.logprobs)):
-            policy.seen = [tuple(int(v) for v in x) for x in shapes.get(name, [])]
+            policy.seen = [packing.shape_from_json(x) for x in shapes.get(name, [])]
 
     def check_update_memory(self, state: TrainState, batch, plan, mask, train_policy) -> None:
         """Before the first update of each new shape: compile it (jit's cache keeps the program)
@@ -215,7 +218,8 @@ class TeamLearner:
         _, planned = memory_plan.plan_of(ppo_update, self.base, state, batch, jnp.asarray(mask),
                                          jnp.asarray(train_policy), cfg=self.cfg, ucfg=self.update_cfg, plan=plan)
         s, b, n, k = batch.act_tokens.shape
-        rows = "padded" if plan is None else "packed rows {}x{}".format(*plan.rows.tokens.shape[-2:])
+        rows = "padded" if plan is None else "packed rows " + packing.format_shape(
+            tuple(r.tokens.shape[-2:] for r in plan.rows))
         name = f"ppo_update (steps {s}, rows {b}, agents {n}, actions {k}, {rows})"
         memory_plan.check_fits({name: planned}, memory_plan.available_bytes(),
                                keys_to_lower=memory_plan.UPDATE_KEYS)

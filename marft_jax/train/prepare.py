@@ -65,25 +65,23 @@ class PrepareShapes:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _packed_hidden_at(base, critic_lora, rows: packing.PackedRows, gather, *, cfg: ModelConfig):
-    """Base (+ critic LoRA) hidden states of packed rows ``[C, r, T]`` (``C`` calls of ``r``
-    rows, run one after another), read at ``gather [G, P]`` flat indices -> ``[G, P, H]``."""
+def _packed_hidden_at(base, critic_lora, rows: tuple[packing.PackedRows, ...], gather, *, cfg: ModelConfig):
+    """Base (+ critic LoRA) hidden states of packed rows, one ``[C_c, r_c, T_c]`` per length class
+    (``C_c`` calls of ``r_c`` rows, run one after another), read at ``gather [G, P]`` flat
+    indices (classes end to end) -> ``[G, P, H]``."""
     agent = None if critic_lora is None else jnp.zeros((), jnp.int32)
 
     def one(r):
-        seg = r.segment_ids
-        hidden, _ = decoder.forward(base, r.tokens, seg > 0, cfg=cfg, positions=r.positions, lora=critic_lora,
-                                    agent=agent, segment_ids=seg)
-        return hidden
+        return decoder.forward_packed(base, r, cfg=cfg, lora=critic_lora, agent=agent)
 
-    hidden = jax.lax.map(one, rows)
-    return jnp.take(hidden.reshape((-1, hidden.shape[-1])), gather, axis=0)
+    hidden = jnp.concatenate([jax.lax.map(one, r).reshape((-1, cfg.hidden_size)) for r in rows], axis=0)
+    return jnp.take(hidden, gather, axis=0)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "chunk"))
 def _packed_logprobs(base, lora: LoraStack, rows: packing.PackedRows, gather, act_tokens, act_valid, temperature,
                      *, cfg: ModelConfig, chunk: int):
-    """Every agent's old log-probs from packed rows: rows ``[N, R, T]``, gather / actions
+    """Every agent's old log-probs from packed rows: rows ``[N, R_c, T_c]`` per class, gather / actions
     ``[N, n, K]`` -> ``(logp, entropy)`` ``[N, n, K]`` (agent ``i`` with its own adapter)."""
     def one(xs):
         i, r, g, a, av = xs
@@ -96,6 +94,10 @@ def _packed_logprobs(base, lora: LoraStack, rows: packing.PackedRows, gather, ac
 def _calls(rows: packing.PackedRows, per_call: int) -> packing.PackedRows:
     """``[R, T]`` -> ``[R / per_call, per_call, T]`` (R is a multiple of ``per_call``)."""
     return jax.tree.map(lambda x: x.reshape((-1, per_call) + x.shape[1:]), rows)
+
+
+def _per_call(rows: int, row_len: int, tokens_per_call: int) -> int:
+    return max(1, min(rows, tokens_per_call // row_len))
 
 
 def critic_features(base, critic: CriticParams, traj: Trajectory, *, cfg: ModelConfig, token_level: bool,
@@ -117,17 +119,18 @@ def critic_features(base, critic: CriticParams, traj: Trajectory, *, cfg: ModelC
     n_main = len(seqs)
     seqs += [packing.sequence(c, v) for c, v in zip(bt.reshape(-1, L), bv.reshape(-1, L))]
     n_ctx = np.concatenate([flat(cv).sum(-1), bv.reshape(-1, L).sum(-1)])
-    R, T = policy.choose([[len(x) for x in seqs]])
-    per_call = max(1, min(R, tokens_per_call // T))
-    R = -(-R // per_call) * per_call
+    chosen = policy.choose([[len(x) for x in seqs]])
+    # Each class runs in calls of at most tokens_per_call slots (its rows rounded up to whole calls).
+    shape = tuple((-(-r // _per_call(r, t, tokens_per_call)) * _per_call(r, t, tokens_per_call), t) for r, t in chosen)
     read = K if token_level else 1
-    rows, gather = packing.pack_group(seqs, np.maximum(n_ctx - 1, 0), read, R, T)
-    out = np.asarray(_packed_hidden_at(base, critic.lora, _calls(jax.tree.map(jnp.asarray, rows), per_call),
-                                       jnp.asarray(gather), cfg=cfg))
+    classes, gather = packing.pack_group(seqs, np.maximum(n_ctx - 1, 0), read, shape)
+    calls = tuple(_calls(jax.tree.map(jnp.asarray, rows), _per_call(r, t, tokens_per_call))
+                  for rows, (r, t) in zip(classes, chosen))
+    out = np.asarray(_packed_hidden_at(base, critic.lora, calls, jnp.asarray(gather), cfg=cfg))
     feats = out[:n_main] if token_level else out[:n_main, 0]
     feats = feats.reshape((S, B, N) + feats.shape[1:])
     boot = out[n_main:, 0].reshape(B, N, -1)
-    stats = {"valid_tokens": int(sum(len(x) for x in seqs)), "computed_tokens": int(R * T)}
+    stats = {"valid_tokens": int(sum(len(x) for x in seqs)), "computed_tokens": packing.shape_slots(shape)}
     return feats, boot, stats
 
 
