@@ -153,8 +153,21 @@ def cmd_generate(args) -> int:
 def cmd_bench(args) -> int:
     import importlib
 
+    from marft_jax import profiling
+
+    rest = list(args.rest)
+    profile_dir = None
+    if "--profile" in rest:              # `bench NAME --profile DIR`: a jax.profiler trace of the run
+        i = rest.index("--profile")
+        if i + 1 >= len(rest):
+            print("bench: --profile needs a directory", file=sys.stderr)
+            return 2
+        profile_dir = rest[i + 1]
+        del rest[i:i + 2]
+        os.environ[profiling.ENV_DIR] = profile_dir   # sides that run in subprocesses trace themselves
     mod = importlib.import_module(f"marft_jax.bench.{args.which}")
-    res = mod.main(args.rest)            # the benchmarks return their report (a dict) or an exit status
+    with profiling.trace(None if args.which == "iteration" else profile_dir):
+        res = mod.main(rest)             # the benchmarks return their report (a dict) or an exit status
     return res if isinstance(res, int) else 0
 
 
@@ -212,7 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks printing JSON (sampler, backups, update, iteration)",
                        description="Run a benchmark; arguments after the name go to it (try `bench sampler --help`). "
-                                   "`iteration`: one whole training iteration, ours vs the reference pipeline.")
+                                   "`iteration`: one whole training iteration, ours vs the reference pipeline. "
+                                   "`--profile DIR` (after the name) writes a jax.profiler trace of the run "
+                                   "(of our measured iteration for `iteration`).")
     b.add_argument("which", choices=["sampler", "backups", "update", "iteration"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)

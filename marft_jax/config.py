@@ -28,7 +28,8 @@ class ConfigError(ValueError):
 class ModelSection:
     name: str = "smollm2-135m"          # registry name, HF directory or .gguf file
     dtype: str = "auto"                 # auto (float32 on CPU, bfloat16 on GPU/TPU) | float32 | bfloat16
-    remat: Optional[bool] = None        # recompute each block in the backward pass; null = auto (>= 512-token rows)
+    remat: Optional[str] = None         # none | full | dots | dots_no_batch (true/false = full/none); null = auto
+    attention: str = "auto"             # auto | xla | cudnn | pallas | splash (marft_jax.models.attention)
 
 
 @dataclass
@@ -128,6 +129,13 @@ class OptimSection:
 
 
 @dataclass
+class ProfileSection:
+    start: Optional[int] = None         # first iteration (0-based) traced with jax.profiler; null = off
+    steps: int = 1                      # iterations traced
+    dir: Optional[str] = None           # default <run dir>/profile
+
+
+@dataclass
 class TrainSection:
     iterations: int = 100
     seed: int = 0
@@ -143,6 +151,7 @@ class TrainSection:
     time_budget_s: Optional[float] = None
     scoring_workers: int = 2
     log_every: int = 1
+    profile: ProfileSection = field(default_factory=ProfileSection)
 
 
 @dataclass
@@ -172,6 +181,7 @@ PACKAGED_PRESETS = Path(__file__).resolve().parent / "presets"
 
 _CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16"),
+    "model.attention": ("auto", "xla", "cudnn", "pallas", "splash"),
     "task.name": ("arithmetic", "math", "gsm8k", "math500", "aime", "humaneval", "code_jsonl", "generic"),
     "task.code_reward": ("fraction", "binary"),
     "rollout.mode": ("sequential", "parallel"),
@@ -204,6 +214,10 @@ def validate(cfg: Config) -> Config:
         if not ok:
             raise ConfigError(f"{key}={_get(cfg, key)!r}: must be {what}")
 
+    if cfg.model.remat is not None:
+        need("model.remat", str(cfg.model.remat).lower() in ("true", "false", "auto", "none", "full", "dots",
+                                                           "dots_no_batch"),
+             "one of none, full, dots, dots_no_batch (true = full, false = none) or null (auto)")
     need("team.num_agents", cfg.team.num_agents >= 1, ">= 1")
     need("rollout.rows", cfg.rollout.rows >= 1, ">= 1")
     need("rollout.horizon", cfg.rollout.horizon >= 1, ">= 1")
@@ -253,6 +267,9 @@ def validate(cfg: Config) -> Config:
         if v is not None:
             need(key, 0 <= v <= 1, "in [0, 1]")
     need("train.iterations", cfg.train.iterations >= 0, ">= 0")
+    if cfg.train.profile.start is not None:
+        need("train.profile.start", cfg.train.profile.start >= 0, ">= 0 or null (off)")
+    need("train.profile.steps", cfg.train.profile.steps >= 1, ">= 1")
     need("train.eval_problems", cfg.train.eval_problems >= 1, ">= 1")
     need("train.eval_batch_size", cfg.train.eval_batch_size >= 1, ">= 1")
     need("train.eval_temperature", cfg.train.eval_temperature >= 0, ">= 0")

@@ -27,6 +27,8 @@ pytestmark = pytest.mark.real_model
 
 ROOT = Path(__file__).resolve().parents[1]
 KL_MAX = 1e-4
+# bf16 against float32 on SmolLM2-135M (bound set over what was measured, see test_bf16_path_kl_vs_float32).
+BF16_KL_MEAN, BF16_KL_MAX = 0.05, 0.5
 TEXTS = ["The capital of France is", "  Hello,\n\nworld! 12345 x=3.14 ünïcødé 日本語\t<|im_end|>",
          "def fibonacci(n):\n    return n"]
 
@@ -64,6 +66,9 @@ _OURS = textwrap.dedent(r"""
         tokens[i, T - len(row):] = row
         valid[i, T - len(row):] = True
     logits = np.asarray(decoder.logits_fn(m.params, jnp.asarray(tokens), jnp.asarray(valid), cfg=m.cfg))
+    # The accelerators' bf16 path on the same rows (bf16 weights and matmuls, float32 norms/softmax).
+    logits_bf16 = np.asarray(decoder.logits_fn(decoder.cast_params(m.params, jnp.bfloat16), jnp.asarray(tokens),
+                                               jnp.asarray(valid), cfg=m.cfg), np.float32)
     # Greedy continuation of prompt 0: a right-padded [1, 16] row re-run per step (one compile).
     seq = np.zeros((1, 16), np.int32)
     live = np.zeros((1, 16), bool)
@@ -73,7 +78,7 @@ _OURS = textwrap.dedent(r"""
         lg = decoder.logits_fn(m.params, jnp.asarray(seq), jnp.asarray(live), cfg=m.cfg)
         seq[0, n], live[0, n] = int(jnp.argmax(lg[0, n - 1])), True
         n += 1
-    np.savez(out + "/ours.npz", tokens=tokens, valid=valid, logits=logits)
+    np.savez(out + "/ours.npz", tokens=tokens, valid=valid, logits=logits, logits_bf16=logits_bf16)
     texts = json.loads(sys.argv[2])
     json.dump({
         "torch_blocked": sys.modules.get("torch", 0) is None,
@@ -174,6 +179,20 @@ def test_logits_kl_vs_hf(ours, hf_model):
         assert (got.argmax(-1) == want.argmax(-1)).mean() > 0.95
     print(f"max per-token KL(HF || ours), float32: {worst:.3e}")
     assert worst < KL_MAX, worst
+
+
+def test_bf16_path_kl_vs_float32(ours):
+    """bf16 weights and matmuls (the GPU/TPU default) against float32, per valid token."""
+    _, data = ours
+    v = data["valid"]
+    p = data["logits"][v].astype(np.float64)
+    q = data["logits_bf16"][v].astype(np.float64)
+    p -= np.logaddexp.reduce(p, axis=-1, keepdims=True)
+    q -= np.logaddexp.reduce(q, axis=-1, keepdims=True)
+    kl = (np.exp(p) * (p - q)).sum(-1)
+    print(f"per-token KL(f32 || bf16): mean {kl.mean():.3e}, max {kl.max():.3e}")
+    assert kl.mean() < BF16_KL_MEAN and kl.max() < BF16_KL_MAX, (kl.mean(), kl.max())
+    assert (p.argmax(-1) == q.argmax(-1)).mean() > 0.9
 
 
 def test_tokenizer_matches_hf_and_round_trips(ours, hf_tokenizer):

@@ -194,6 +194,9 @@ class CountingSampler:
         self.inner, self.cfg, self.no_eos = inner, cfg, no_eos
         self.work = StageWork()
 
+    def __getattr__(self, name):   # everything else (take_totals, ...) is the wrapped sampler's
+        return getattr(self.inner, name)
+
     def __call__(self, params, prompts, *, key, config, stop_ids=None, **kw):
         from marft_jax.bench.g1_pipeline import decode_flops
         from marft_jax.sampling import buckets
@@ -226,6 +229,8 @@ def ours_prepare_update_work(mcfg, traj, m: dict, adv_cfg, update_cfg) -> tuple[
     formed; the update counts forward + backward (1x blocks: the base is frozen; 2x head),
     HAPPO's extra forwards and the remat recompute (``bench/update.py``'s ``ours_flops``
     structure, applied per token)."""
+    from marft_jax.models.decoder import resolve_remat
+
     S, B, N, L, K = traj.shape
     played = np.asarray(traj.step_mask)[:, :, None] & np.ones((1, 1, N), bool)
     ctx_len = np.asarray(traj.ctx_valid).sum(-1)[played]
@@ -237,7 +242,7 @@ def ours_prepare_update_work(mcfg, traj, m: dict, adv_cfg, update_cfg) -> tuple[
     recompute = getattr(adv_cfg, "logp_old", "recompute") == "recompute"
     epochs = update_cfg.epochs
     happo = (N - 1) / N if update_cfg.happo_weighting else 0.0
-    remat = 1.0 if update_cfg.remat else 0.0
+    remat = 0.0 if resolve_remat(update_cfg.remat, int(seq_mean)) == "none" else 1.0
     valid = int(ctx_len.sum() + act_len.sum())
     source = "metrics"
     prep = (m.get("perf/tokens/prepare/valid"), m.get("perf/tokens/prepare/computed"))
@@ -257,6 +262,7 @@ def ours_prepare_update_work(mcfg, traj, m: dict, adv_cfg, update_cfg) -> tuple[
 def run_ours(args) -> dict:
     import jax
 
+    from marft_jax import profiling
     from marft_jax.bench.sampler import matmul_roofline_flops
     from marft_jax.train.build import build_run, lora_config, optim_config
     from marft_jax.train.state import init_train_state
@@ -299,7 +305,8 @@ def run_ours(args) -> dict:
         counter.work = type(counter.work)()
         compile_s[0] = 0.0
         t0 = time.perf_counter()
-        state, m, _ = learner.iteration(state, problems, iteration=args.warmup, env_samples=0, key=key)
+        with profiling.trace(os.environ.get(profiling.ENV_DIR)):   # `marft-jax bench iteration --profile DIR`
+            state, m, _ = learner.iteration(state, problems, iteration=args.warmup, env_samples=0, key=key)
         wall = time.perf_counter() - t0
         measured_compile = compile_s[0]
         roof.append(matmul_roofline_flops(args.roofline_n))

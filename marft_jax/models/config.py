@@ -38,6 +38,8 @@ class ModelConfig:
       o_bias: the output projection carries a bias (Llama with ``attention_bias``).
       max_position_embeddings: longest context the checkpoint was trained for.
       bos_token_id / eos_token_ids: from the config (tokenizers may add more stop tokens).
+      attention: the attention implementation of segment attention (training, critic and
+        prefill forwards; :mod:`marft_jax.models.attention`); decode always runs ``xla``.
     """
 
     arch: str
@@ -56,6 +58,7 @@ class ModelConfig:
     max_position_embeddings: int = 32768
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    attention: str = "xla"   # resolved model.attention (marft_jax.models.attention), never "auto"
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:

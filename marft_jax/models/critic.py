@@ -62,7 +62,7 @@ def value_positions(ctx_len: int, num_actions: int, token_level: bool) -> jax.Ar
 
 
 def critic_features_fn(params, ctx_tokens, ctx_valid, act_tokens, act_valid, *, cfg: ModelConfig,
-                       token_level: bool, lora: LoraStack | None = None, remat: bool = False):
+                       token_level: bool, lora: LoraStack | None = None, remat: bool | str = False):
     """Hidden states at the value positions of each sequence.
 
     Args:

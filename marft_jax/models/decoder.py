@@ -30,11 +30,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marft_jax.models import attention as attention_lib
 from marft_jax.models import lora as lora_lib
 from marft_jax.models.config import ModelConfig
 
 Params = dict[str, Any]
-_NEG = -1e30  # finite "minus infinity": fully masked (pad) query rows stay NaN-free
 
 
 @flax.struct.dataclass
@@ -138,42 +138,7 @@ def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
     return (xf * cos + rotated * sin).astype(x.dtype)
 
 
-def attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-              prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
-    """Grouped-query attention with a boolean mask, softmax in float32.
-
-    q: [B, T, heads, D]; k, v: [B, kv_heads, S, D] (head-major); mask: [B, T, S] (True = may
-    attend). ``prefix``: optional read-only keys/values placed before ``k`` (the KV cache):
-    ``(k_prefix [B, kv_heads, P, D], v_prefix [B, kv_heads, P, D], mask_prefix [B, T, P])``;
-    one softmax runs over the ``P + S`` keys, without concatenating the cache (only the
-    ``[.., P + S]`` scores are joined). Returns [B, T, heads, D].
-    """
-    b, t, nh, d = q.shape
-    nkv = k.shape[1]
-    g = nh // nkv
-    # Batch-major [B, kv_heads, group*T, D] queries: both einsums are plain batched matmuls
-    # (no transposed operands or outputs), ~3x faster for decode on XLA:CPU.
-    qg = q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nkv, g * t, d)
-
-    def masked_scores(keys, m):
-        s = jnp.einsum("bkqd,bksd->bkqs", qg, keys, preferred_element_type=jnp.float32)
-        s = s * (1.0 / np.sqrt(d))
-        m = jnp.broadcast_to(m[:, None, None], (b, 1, g, t, m.shape[-1])).reshape(b, 1, g * t, -1)
-        return jnp.where(m, s, _NEG)
-
-    scores = masked_scores(k, mask)
-    if prefix is None:
-        probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-        out = jnp.einsum("bkqs,bksd->bkqd", probs, v)
-    else:
-        k_pre, v_pre, mask_pre = prefix
-        p = k_pre.shape[2]
-        probs = jax.nn.softmax(jnp.concatenate([masked_scores(k_pre, mask_pre), scores], -1), axis=-1)
-        probs = probs.astype(v.dtype)
-        out = (jnp.einsum("bkqs,bksd->bkqd", probs[..., :p], v_pre.astype(v.dtype))
-               + jnp.einsum("bkqs,bksd->bkqd", probs[..., p:], v))
-    out = out.reshape(b, nkv, g, t, d)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d)
+attention = attention_lib.xla_attention  # the XLA implementation (kept under its old name)
 
 
 def _proj(x, p, name, lora_a, lora_b, scale, per_row):
@@ -185,14 +150,16 @@ def _proj(x, p, name, lora_a, lora_b, scale, per_row):
     return y
 
 
-def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, cache_in, mask_fn):
+def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, cache_in, mask_fn, segment_ids=None):
     """One decoder block. Returns ``(x_out, kv_new)``.
 
     Without a cache (``cache_in is None``) attention is over this call's keys and ``kv_new`` is
     None. With one, ``cache_in = (k_prefix, v_prefix, mask_prefix)`` is this layer's read-only
     view of the filled cache slots (``[B, kv_heads, P, D]`` twice and ``[B, T, P]``; all None when
     nothing is read, e.g. prefill into an empty cache); attention runs over those slots and the
-    new keys, and ``kv_new = (k, v)`` ``[B, kv_heads, T, D]`` are the entries to write.
+    new keys, and ``kv_new = (k, v)`` ``[B, kv_heads, T, D]`` are the entries to write. Attention
+    without cached keys runs ``cfg.attention`` (:mod:`marft_jax.models.attention`) on
+    ``segment_ids`` when it is not ``xla``; otherwise the boolean ``mask_fn`` ``[B, T, T]``.
     """
     b, t, _ = x.shape
     h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
@@ -209,7 +176,11 @@ def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, cache_in, 
         kv_new = (k, v)
         if k_pre is not None:
             prefix = (k_pre.astype(q.dtype), v_pre.astype(q.dtype), mask_pre)
-    o = attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_fn, prefix).reshape(b, t, cfg.q_size)
+    if prefix is None and cfg.attention != "xla" and segment_ids is not None:
+        o = attention_lib.segment_attention(q, k.astype(q.dtype), v.astype(q.dtype), segment_ids, impl=cfg.attention)
+    else:
+        o = attention_lib.xla_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_fn, prefix)
+    o = o.reshape(b, t, cfg.q_size)
     x = x + _proj(o, p, "o_proj", la, lb, scale, per_row)
     h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
     gate = _proj(h, p, "gate_proj", la, lb, scale, per_row)
@@ -228,7 +199,7 @@ def forward(
     lora: lora_lib.LoraStack | None = None,
     agent: jax.Array | int | None = None,
     cache: KVCache | None = None,
-    remat: bool = False,
+    remat: bool | str = False,
     segment_ids: jax.Array | None = None,
     read_slots: int | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
@@ -247,7 +218,8 @@ def forward(
         (among the first ``read_slots``) and causally to the new tokens, whose keys/values are
         then written at ``cache.index`` (``index + time <= slots`` is the caller's duty). Without
         a cache attention is causal over ``tokens`` only.
-      remat: recompute each block in the backward pass (activation memory O(1) in depth).
+      remat: what each block keeps for the backward pass: a :data:`REMAT_POLICIES` name, or
+        True (``full``: recompute each block, activation memory O(1) in depth) / False.
       segment_ids: optional ``[batch, time]`` int32 for packed rows (no cache): several
         sequences share a row, ``0`` marks padding, and a token attends only to earlier tokens
         of its own segment (block-diagonal causal mask). Pass per-segment ``positions`` with it
@@ -281,15 +253,15 @@ def forward(
             raise ValueError("forward: segment_ids (packed rows) cannot be used with a KV cache")
         chex.assert_equal_shape([tokens, segment_ids])
         mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    seg = segment_ids if segment_ids is not None else valid.astype(jnp.int32)   # kernels' segment view
 
     if cache is None:
         def body(x, xs):
             p, la_l, lb_l = xs
-            x, _ = _block(cfg, x, p, la_l, lb_l, scale, per_row, positions, None, mask)
+            x, _ = _block(cfg, x, p, la_l, lb_l, scale, per_row, positions, None, mask, seg)
             return x, None
 
-        if remat:
-            body = jax.checkpoint(body, prevent_cse=False)
+        body = _remat(body, resolve_remat(remat, t))
         x, _ = jax.lax.scan(body, x, (params["layers"], la, lb))
         return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), None
 
@@ -315,11 +287,10 @@ def forward(
             cache_in = (k_pre, v_pre, prefix_mask)
         else:
             cache_in = (None, None, None)
-        x, (k_new, v_new) = _block(cfg, x, p, la_l, lb_l, scale, per_row, positions, cache_in, mask)
+        x, (k_new, v_new) = _block(cfg, x, p, la_l, lb_l, scale, per_row, positions, cache_in, mask, seg)
         return x, (k_new.astype(cache.k.dtype), v_new.astype(cache.v.dtype))
 
-    if remat:
-        cached_body = jax.checkpoint(cached_body, prevent_cse=False)
+    cached_body = _remat(cached_body, resolve_remat(remat, t))
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
     x, (k_new, v_new) = jax.lax.scan(cached_body, x, (params["layers"], la, lb, layers))
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
@@ -332,17 +303,39 @@ def forward(
     return hidden, new_cache
 
 
-REMAT_AUTO_LEN = 512  # remat=None recomputes blocks from this row length (slots) up
+REMAT_AUTO_LEN = 512  # remat auto (None) recomputes blocks from this row length (slots) up on CPU
+# Per decoder block, what the backward pass keeps (jax.checkpoint_policies) and recomputes:
+REMAT_POLICIES = {
+    "none": None,                                        # keep everything (no jax.checkpoint)
+    "full": jax.checkpoint_policies.nothing_saveable,    # keep the block inputs, recompute the block
+    "dots": jax.checkpoint_policies.checkpoint_dots,     # keep every matmul output
+    # keep the projections' and MLP's outputs, recompute attention (its [T, T] scores are batched dots)
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
-def resolve_remat(remat: bool | None, seq_len: int) -> bool:
-    """``remat`` itself, or for ``None`` (auto) whether a ``seq_len``-slot forward rematerializes.
+def resolve_remat(remat: bool | str | None, seq_len: int) -> str:
+    """The :data:`REMAT_POLICIES` name a ``seq_len``-slot forward uses.
 
-    Below ~512 slots the saved activations of a small model fit easily and recomputing costs
-    ~30 % more compute; above, the per-layer ``[rows, heads, T, T]`` attention buffers kept for
-    the backward pass dominate memory (the reference workload planned ~100 GiB without remat).
+    ``remat``: a policy name, ``True`` (``full``), ``False`` (``none``) or ``None`` / ``"auto"``:
+    ``full`` from :data:`REMAT_AUTO_LEN` slots up, else ``none``. On XLA:CPU ``full`` costs no
+    time there (SmolLM2-135M, 6 x 448-slot rows: 13.6 s with, 14.3 s without: saving the
+    activations is memory-bound) and the per-layer ``[rows, heads, T, T]`` attention buffers a
+    backward keeps dominate memory (the reference workload planned ~100 GiB without it). On
+    accelerators the learner refines ``auto`` by the compiled memory plan
+    (:meth:`marft_jax.train.iteration.TeamLearner.check_update_memory`).
     """
-    return (seq_len >= REMAT_AUTO_LEN) if remat is None else bool(remat)
+    if remat is None or remat == "auto":
+        return "full" if seq_len >= REMAT_AUTO_LEN else "none"
+    if isinstance(remat, bool):
+        return "full" if remat else "none"
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"model.remat={remat!r} is not one of {['auto', *REMAT_POLICIES]}")
+    return remat
+
+
+def _remat(fn, policy: str):
+    return fn if policy == "none" else jax.checkpoint(fn, prevent_cse=False, policy=REMAT_POLICIES[policy])
 
 
 def forward_packed(params: Params, rows: PackedRows | tuple[PackedRows, ...], *, cfg: ModelConfig,

@@ -34,6 +34,9 @@ def logprob_and_entropy(z: jax.Array, targets: jax.Array) -> tuple[jax.Array, ja
     return picked - lse, lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
 
 
+LOGITS_CHUNK_BYTES = 64 << 20
+
+
 def chunked_logprobs(
     hidden: jax.Array,
     head: jax.Array,
@@ -48,14 +51,18 @@ def chunked_logprobs(
       head: ``[H, vocab]`` LM-head matrix.
       targets: ``[batch, time]`` int32 token predicted at each position.
       temperature: sampling temperature T (> 0).
-      chunk: positions per chunk (the time axis is padded to a multiple of it).
+      chunk: at most this many positions per chunk (fewer when ``batch x chunk x vocab`` float32
+        logits would pass :data:`LOGITS_CHUNK_BYTES`); the time axis is padded to a multiple.
     Returns:
       ``(logp, entropy)``, both ``[batch, time]`` float32.
     """
     chex.assert_rank(hidden, 3)
     chex.assert_rank(targets, 2)
     b, t, h = hidden.shape
-    chunk = max(1, min(chunk, t))
+    # At most ~LOGITS_CHUNK_BYTES of float32 logits per chunk: [b, chunk, vocab] and the few
+    # buffers of its size the log-softmax and its gradient keep (the update's largest temporaries
+    # on the reference workload were these: 12 x 128 x 49,152 x 4 B = 302 MB each).
+    chunk = max(1, min(chunk, t, LOGITS_CHUNK_BYTES // max(1, b * head.shape[-1] * 4)))
     n = -(-t // chunk)
     pad = n * chunk - t
     hid = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, h).swapaxes(0, 1)

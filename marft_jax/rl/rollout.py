@@ -154,7 +154,8 @@ def rollout(
         agents = np.array([a for _, a, _ in calls], np.int32)
         budget = max(cfg.budget(a) for a in agents)
         nonlocal has_policy_logp
-        gen = generate([p for _, _, p in calls], agents, budget, k)
+        with jax.profiler.TraceAnnotation(f"rollout/step{s}/agents{'+'.join(map(str, sorted(set(agents.tolist()))))}"):
+            gen = generate([p for _, _, p in calls], agents, budget, k)
         has_policy_logp = has_policy_logp and gen.policy_logp is not None and gen.entropy is not None
         for j, (b, a, prompt) in enumerate(calls):
             ctx[(s, b, a)] = prompt

@@ -62,7 +62,7 @@ class UpdateConfig:
     micro_batches: int = 1
     temperature: float = 1.0
     chunk: int = 128
-    remat: bool | None = None           # None: auto, on for sequences of >= REMAT_AUTO_LEN slots
+    remat: bool | str | None = None     # decoder.REMAT_POLICIES name; None: auto (decoder.resolve_remat)
     optim: OptimConfig = OptimConfig()
 
     @property
@@ -135,6 +135,7 @@ def _agent_loss_sums(lora_m: LoraStack, base, cfg: ModelConfig, ucfg: UpdateConf
                                    action_mask=d["dp_mask"])
 
 
+@jax.named_scope("update/agent_policy_step")
 def _agent_update(base, cfg, ucfg, lora_a, opt_a, d, happo, train_flag):
     """One optimizer step for one agent: ``lora_a``/``opt_a`` are its slices (no agent axis).
 
@@ -173,6 +174,7 @@ def _agent_update(base, cfg, ucfg, lora_a, opt_a, d, happo, train_flag):
     return new_lora, new_opt, met
 
 
+@jax.named_scope("update/happo_factor")
 def _happo_factor(base, cfg, ucfg, lora_m, d):
     """``exp(ℓ_after − ℓ_old)`` per row, clipped to ``1 ± happo_clip`` (1 where invalid). [R]."""
     m = ucfg.micro_batches
@@ -252,6 +254,7 @@ def critic_values(critic: CriticParams, base, cfg: ModelConfig, ucfg: UpdateConf
     return value_head(critic.head, feats).reshape(mb.v_old.shape)
 
 
+@jax.named_scope("update/critic_step")
 def critic_update(base, cfg, ucfg, critic: CriticParams, critic_opt, mb: UpdateBatch):
     def objective(c):
         v = critic_values(c, base, cfg, ucfg, mb)

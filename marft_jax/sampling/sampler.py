@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 import warnings
 from typing import Any, Sequence
 
@@ -328,6 +329,7 @@ def _pick_and_advance(s: SamplerState, cache: decoder.KVCache, logits: jax.Array
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "top_k_max", "use_top_p", "slots"))
+@jax.named_scope("rollout/prefill")
 def prefill(
     params: Params,
     lora: lora_lib.LoraStack | None,
@@ -394,6 +396,7 @@ def prefill(
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "top_k_max", "use_top_p"), donate_argnums=(2,))
+@jax.named_scope("rollout/decode")
 def decode(params: Params, lora: lora_lib.LoraStack | None, state: SamplerState,
            live_floor: jax.Array | int = -1, *, cfg: ModelConfig, top_k_max: int = 0,
            use_top_p: bool = False) -> SamplerState:
@@ -505,6 +508,25 @@ def stop_id_array(ids: Sequence[int], minimum: int = 8) -> np.ndarray:
     return out
 
 
+@dataclasses.dataclass
+class SamplerTotals:
+    """Work and time of the sampler calls since the last :meth:`Sampler.take_totals` (host
+    wall-clock, after each stage's results are ready).
+
+    prefill_s / decode_s: seconds; prefill_slots: rows × prompt bucket over the prefills;
+    decode_row_steps: rows × decode steps (compacted batches count their own rows);
+    decode_bytes: bytes a decode step must read, summed over steps: the weights (base + LoRA)
+    plus the K/V cache slots attention reads (the floor of HBM traffic; ``perf/hbm_bw_util``).
+    """
+
+    calls: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    prefill_slots: int = 0
+    decode_row_steps: int = 0
+    decode_bytes: float = 0.0
+
+
 class Sampler:
     """Host-side entry point: token-id lists in, NumPy results out (trimmed to the real rows).
 
@@ -540,6 +562,12 @@ class Sampler:
         if min_compact_batch < 1:
             raise ValueError(f"min_compact_batch must be >= 1, got {min_compact_batch}")
         self.min_compact_batch = int(min_compact_batch)
+        self.totals = SamplerTotals()
+
+    def take_totals(self) -> SamplerTotals:
+        """The :class:`SamplerTotals` since the last call, and start counting afresh."""
+        out, self.totals = self.totals, SamplerTotals()
+        return out
 
     def __call__(
         self,
@@ -589,30 +617,47 @@ class Sampler:
         max_new = config.max_new_tokens
         limit = int(np.clip(max_new if budget is None else budget, 1, max_new))
         phases = decode_phases(length, max_new)
-        state = prefill(params, lora, jnp.asarray(batch.tokens), jnp.asarray(batch.valid),
-                        jnp.asarray(batch.active), agent_arr, stop, key, sampling, jnp.int32(limit),
-                        jnp.int32(self.pad_id), cfg=self.cfg, max_new_tokens=max_new,
-                        top_k_max=top_k_max, use_top_p=use_top_p, slots=length + phases[0])
-        state = self._decode_phases(params, lora, state, length, phases, limit, top_k_max, use_top_p)
-        res = jax.device_get(result_of(state))
+        t0 = time.perf_counter()
+        with jax.profiler.TraceAnnotation("sampler/prefill"):
+            state = prefill(params, lora, jnp.asarray(batch.tokens), jnp.asarray(batch.valid),
+                            jnp.asarray(batch.active), agent_arr, stop, key, sampling, jnp.int32(limit),
+                            jnp.int32(self.pad_id), cfg=self.cfg, max_new_tokens=max_new,
+                            top_k_max=top_k_max, use_top_p=use_top_p, slots=length + phases[0])
+            jax.block_until_ready(state.last)
+        t1 = time.perf_counter()
+        weight_bytes = sum(x.nbytes for x in jax.tree.leaves((params, lora)))
+        with jax.profiler.TraceAnnotation("sampler/decode"):
+            state = self._decode_phases(params, lora, state, length, phases, limit, top_k_max, use_top_p,
+                                        weight_bytes)
+            res = jax.device_get(result_of(state))
+        tot = self.totals
+        tot.calls += 1
+        tot.prefill_s += t1 - t0
+        tot.decode_s += time.perf_counter() - t1
+        tot.prefill_slots += b * length
         return SampleResult(tokens=res.tokens[:n], lengths=res.lengths[:n], logps=res.logps[:n],
                             finished=res.finished[:n], steps=int(res.steps),
                             policy_logps=res.policy_logps[:n], entropies=res.entropies[:n])
 
     def _decode_phases(self, params, lora, state: SamplerState, length: int, phases: tuple[int, ...],
-                       limit: int, top_k_max: int, use_top_p: bool) -> SamplerState:
+                       limit: int, top_k_max: int, use_top_p: bool, weight_bytes: int = 0) -> SamplerState:
         """Host loop over decode phases; compacts finished rows away and grows the cache."""
         if limit <= 1:                              # prefill chose the only token
             return state
         phase = 0
+        step = int(state.step)
         while True:
             rows = state.last.shape[0]
             half = rows // 2
             floor = half if half >= self.min_compact_batch else -1
+            before = step
             state = decode(params, lora, state, jnp.int32(floor), cfg=self.cfg, top_k_max=top_k_max,
                            use_top_p=use_top_p)
             step, done, index = (int(x) if np.ndim(x) == 0 else x
                                  for x in jax.device_get((state.step, state.done, state.cache.index)))
+            cache = state.cache
+            self.totals.decode_row_steps += rows * (step - before)
+            self.totals.decode_bytes += (step - before) * (weight_bytes + cache.k.nbytes + cache.v.nbytes)
             live = np.nonzero(~done)[0]
             if step >= limit or live.size == 0:
                 return state

@@ -13,6 +13,7 @@ from marft_jax.envs import profiles as profiles_lib
 from marft_jax.envs.chat import HFChatTokenizer
 from marft_jax.envs.scoring_pool import ScoringPool
 from marft_jax.envs.task import Task
+from marft_jax.models import attention as attention_lib
 from marft_jax.models import registry
 from marft_jax.models.lora import LoraConfig
 from marft_jax.rl.rollout import RolloutConfig, Team
@@ -61,6 +62,14 @@ def model_dtype(cfg: Config):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[cfg.model.dtype]
 
 
+def remat_policy(cfg: Config) -> str | None:
+    """``model.remat`` as a policy name (None: auto); ``true``/``false`` read as ``full``/``none``."""
+    r = cfg.model.remat
+    if r is None:
+        return None
+    return {"true": "full", "false": "none"}.get(str(r).lower(), str(r))
+
+
 def update_config(cfg: Config, total_updates: int) -> UpdateConfig:
     p = cfg.ppo
     return UpdateConfig(
@@ -71,7 +80,7 @@ def update_config(cfg: Config, total_updates: int) -> UpdateConfig:
         agent_schedule="sequential" if p.agent_schedule == "interval" else p.agent_schedule,
         happo_weighting=p.happo_weighting and p.agent_schedule == "sequential", happo_clip=p.happo_clip,
         epochs=p.epochs, num_minibatches=p.num_minibatches, micro_batches=p.micro_batches,
-        temperature=cfg.rollout.temperature, remat=cfg.model.remat,
+        temperature=cfg.rollout.temperature, remat=remat_policy(cfg),
         optim=optim_config(cfg, total_updates))
 
 
@@ -106,7 +115,13 @@ def build_run(cfg: Config) -> Run:
     """Load the model and build the task, team, scorer and learner for ``cfg``."""
     team = build_team(cfg)
     task = build_task(cfg)
-    model = registry.load_model(cfg.model.name, dtype=model_dtype(cfg))
+    dtype = model_dtype(cfg)
+    try:
+        impl = attention_lib.resolve(cfg.model.attention, dtype=dtype)
+    except attention_lib.AttentionUnavailable as e:
+        raise ConfigError(str(e)) from None
+    model = registry.load_model(cfg.model.name, dtype=dtype)
+    model = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, attention=impl))
     tok = HFChatTokenizer(model.tokenizer, stop_ids=model.stop_token_ids)
     pool = ScoringPool(task, workers=cfg.train.scoring_workers)
     updates = cfg.train.iterations * cfg.ppo.epochs * cfg.ppo.num_minibatches

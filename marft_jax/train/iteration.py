@@ -25,6 +25,7 @@ from marft_jax.rl.rollout import Generation, RolloutConfig, Team
 from marft_jax.rl.update import UpdateConfig, ppo_update
 from marft_jax.sampling.sampler import Sampler, SamplingConfig
 from marft_jax.train import memory_plan
+from marft_jax.train import metrics as metrics_lib
 from marft_jax.train.compile_count import CompileCounter, compile_metrics
 from marft_jax.train.prepare import AdvantageConfig, PrepareShapes, prepare_update_batch
 from marft_jax.train.state import TrainState
@@ -147,26 +148,32 @@ class TeamLearner:
     def _iteration(self, state: TrainState, problems: Sequence[Problem], *, iteration: int, env_samples: int,
                    key) -> tuple[TrainState, dict, object]:
         timings = {}
+        self.sampler.take_totals()
         t0 = time.perf_counter()
-        traj, texts = self.play(state, problems, key)
+        with jax.profiler.TraceAnnotation("rollout"):
+            traj, texts = self.play(state, problems, key)
         timings["timing_s/rollout"] = time.perf_counter() - t0
+        sampler_totals = self.sampler.take_totals()
         self._report("rollout", timings["timing_s/rollout"])
 
         t1 = time.perf_counter()
         keep_ctx = not self.pack_sequences or state.critic.lora is not None
-        batch, prep = prepare_update_batch(self.base, state.lora, state.critic, traj, cfg=self.cfg,
-                                           acfg=self.adv_cfg, shapes=self.prepare_shapes, keep_contexts=keep_ctx)
-        jax.block_until_ready(batch.adv)
+        with jax.profiler.TraceAnnotation("prepare"):
+            batch, prep = prepare_update_batch(self.base, state.lora, state.critic, traj, cfg=self.cfg,
+                                               acfg=self.adv_cfg, shapes=self.prepare_shapes,
+                                               keep_contexts=keep_ctx)
+            jax.block_until_ready(batch.adv)
         timings["timing_s/values_logprobs_backup"] = time.perf_counter() - t1
         self._report("critic features + backup", timings["timing_s/values_logprobs_backup"])
 
         mask, train_policy = self.train_mask(iteration, env_samples)
         t2 = time.perf_counter()
-        plan, pstats = self.update_plan(state, traj)
-        self.check_update_memory(state, batch, plan, mask, train_policy)
-        state, upd = ppo_update(self.base, state, batch, jnp.asarray(mask), jnp.asarray(train_policy),
-                                cfg=self.cfg, ucfg=self.update_cfg, plan=plan)
-        jax.block_until_ready(state.lora)
+        with jax.profiler.TraceAnnotation("update"):
+            plan, pstats = self.update_plan(state, traj)
+            self.check_update_memory(state, batch, plan, mask, train_policy)
+            state, upd = ppo_update(self.base, state, batch, jnp.asarray(mask), jnp.asarray(train_policy),
+                                    cfg=self.cfg, ucfg=self.update_cfg, plan=plan)
+            jax.block_until_ready(state.lora)
         timings["timing_s/update"] = time.perf_counter() - t2
         self._report("update", timings["timing_s/update"])
         timings["timing_s/step"] = time.perf_counter() - t0
@@ -193,6 +200,18 @@ class TeamLearner:
         metrics["perf/throughput"] = (ctx_tok + gen_tok) / max(metrics["timing_s/step"], 1e-9)
         metrics["perf/rollout_tokens_per_s"] = gen_tok / max(timings["timing_s/rollout"], 1e-9)
         metrics["env_samples"] = env_samples + int(np.asarray(traj.step_mask).sum())
+        played = np.asarray(traj.act_valid).any(-1)
+        n = self.team.num_agents
+        metrics.update(metrics_lib.utilisation_metrics(
+            self.cfg, jax.tree.leaves(self.base)[0].dtype, step_s=timings["timing_s/step"],
+            update_s=timings["timing_s/update"],
+            context_mean=float(np.asarray(traj.ctx_valid).sum(-1)[played].mean()) if played.any() else 0.0,
+            rollout_tokens=ctx_tok + gen_tok, rollout_head_tokens=gen_tok,
+            prepare_tokens=metrics["perf/tokens/prepare/valid"],
+            prepare_head_tokens=0 if self.adv_cfg.logp_old == "sampler" else gen_tok,
+            update_tokens=pstats["valid_tokens"], update_head_tokens=gen_tok * self.update_cfg.epochs,
+            happo_passes=(n - 1) / n if self.update_cfg.happo_weighting and n > 1 else 0.0,
+            sampler=sampler_totals))
         return state, metrics, texts
 
     def packed_shapes(self) -> dict[str, list[list[int]]]:
@@ -211,18 +230,34 @@ class TeamLearner:
     def check_update_memory(self, state: TrainState, batch, plan, mask, train_policy) -> None:
         """Before the first update of each new shape: compile it (jit's cache keeps the program)
         and raise :class:`~marft_jax.train.memory_plan.MemoryPlanError`, naming the keys to
-        lower, when its memory plan exceeds what the machine can give."""
+        lower, when its memory plan exceeds what the machine can give.
+
+        With ``model.remat`` auto on an accelerator, the policies ``none``, ``dots_no_batch``
+        and ``full`` are planned in that order (least recompute first) and the first that fits
+        becomes the run's policy; on CPU auto stays :func:`~marft_jax.models.decoder.resolve_remat`'s
+        row-length rule (``full`` costs no time there)."""
         key = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves((batch, plan)))
         if key in self._checked_updates:
             return
-        _, planned = memory_plan.plan_of(ppo_update, self.base, state, batch, jnp.asarray(mask),
-                                         jnp.asarray(train_policy), cfg=self.cfg, ucfg=self.update_cfg, plan=plan)
         s, b, n, k = batch.act_tokens.shape
         rows = "padded" if plan is None else "packed rows " + packing.format_shape(
             tuple(r.tokens.shape[-2:] for r in plan.rows))
         name = f"ppo_update (steps {s}, rows {b}, agents {n}, actions {k}, {rows})"
-        memory_plan.check_fits({name: planned}, memory_plan.available_bytes(),
-                               keys_to_lower=memory_plan.UPDATE_KEYS)
+        candidates = [self.update_cfg]
+        if self.update_cfg.remat is None and jax.default_backend() != "cpu":
+            candidates = [dataclasses.replace(self.update_cfg, remat=p) for p in ("none", "dots_no_batch", "full")]
+        available = memory_plan.available_bytes()
+        for i, ucfg in enumerate(candidates):
+            _, planned = memory_plan.plan_of(ppo_update, self.base, state, batch, jnp.asarray(mask),
+                                             jnp.asarray(train_policy), cfg=self.cfg, ucfg=ucfg, plan=plan)
+            try:
+                memory_plan.check_fits({f"{name}, remat {ucfg.remat or 'auto'}": planned}, available,
+                                       keys_to_lower=memory_plan.UPDATE_KEYS)
+                break
+            except memory_plan.MemoryPlanError:
+                if i == len(candidates) - 1:
+                    raise
+        self.update_cfg = ucfg
         self._checked_updates.add(key)
 
     def update_plan(self, state: TrainState, traj) -> tuple[packing.UpdatePlan | None, dict]:

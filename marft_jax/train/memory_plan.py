@@ -43,7 +43,7 @@ import jax
 GIB = 1024 ** 3
 
 # Config keys that shrink the PPO update program, most effective first (what the error names).
-UPDATE_KEYS = ("ppo.micro_batches (raise it)", "model.remat (set it to true)", "rollout.rows",
+UPDATE_KEYS = ("ppo.micro_batches (raise it)", "model.remat (set it to full)", "rollout.rows",
                "rollout.max_new_tokens", "rollout.context_window")
 # ... and the sampler's prefill/decode programs (KV cache: rows x context window).
 ROLLOUT_KEYS = ("rollout.rows", "rollout.context_window", "rollout.max_new_tokens")

@@ -24,25 +24,17 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
+from marft_jax.train import peaks
+
 METRICS_FILE = "metrics.jsonl"
 TB_DIR = "tb"
 
-# Dense bf16 peak FLOP/s per device, for perf/mfu (vendor datasheets, without sparsity).
-PEAK_FLOPS_BF16 = {
-    "H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 70e12,
-    "TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
-    "TPU v6 lite": 918e12, "TPU v6e": 918e12,
-}
-
-
 def device_peak_flops(device: Any | None = None) -> float | None:
-    """Peak dense bf16 FLOP/s of ``device`` (default: the first device), or None if unknown (CPU)."""
+    """Datasheet dense bf16 FLOP/s of ``device`` (default: the first device), or None when its
+    kind is not in :data:`marft_jax.train.peaks.PEAKS` (CPU: see :func:`~marft_jax.train.peaks.device_peak`)."""
     device = device if device is not None else jax.devices()[0]
-    kind = str(getattr(device, "device_kind", ""))
-    for name, peak in sorted(PEAK_FLOPS_BF16.items(), key=lambda kv: -len(kv[0])):
-        if name.lower() in kind.lower():
-            return peak
-    return None
+    peak = peaks.table_peak(str(getattr(device, "device_kind", "")))
+    return None if peak is None else peak.flops_bf16
 
 
 def mfu(flops: float, seconds: float, devices: int, peak_flops: float) -> float:
@@ -59,6 +51,45 @@ def mfu(flops: float, seconds: float, devices: int, peak_flops: float) -> float:
     if seconds <= 0 or devices <= 0 or peak_flops <= 0:
         return 0.0
     return float(flops) / (float(seconds) * int(devices) * float(peak_flops))
+
+
+def utilisation_metrics(cfg, dtype, *, step_s: float, update_s: float, context_mean: float,
+                        rollout_tokens: int, rollout_head_tokens: int, prepare_tokens: int,
+                        update_tokens: int, update_head_tokens: int, happo_passes: float,
+                        prepare_head_tokens: int = 0, sampler: Any | None = None,
+                        device: Any | None = None) -> dict[str, float]:
+    """``perf/mfu``, ``perf/mfu/update``, ``perf/hbm_bw_util`` (decode) and peak memory of one
+    iteration.
+
+    Model FLOPs, per valid token: ``B = cfg.flops_per_token(context_mean / 2)`` minus the LM
+    head through the decoder blocks, plus the head (``2 H V``) only where logits are formed. The
+    rollout's prompts and generated tokens pass the blocks once and the generated ones the head;
+    the feature pass's tokens the blocks once (the head only for recomputed old log-probs:
+    ``prepare_head_tokens``); the update's tokens ``(2 + happo_passes)`` times (LoRA training
+    pass = forward + activation gradients, plus HAPPO's extra forwards; remat recompute is not
+    model work), its action tokens the head as often. Peaks come from
+    :func:`marft_jax.train.peaks.device_peak` (datasheet, or measured on CPU: then
+    ``perf/peak_measured`` is 1). ``sampler``: the rollout's
+    :class:`~marft_jax.sampling.sampler.SamplerTotals` (decode bytes and seconds).
+    """
+    peak = peaks.device_peak(device)
+    head = 2.0 * cfg.hidden_size * cfg.vocab_size
+    body = float(cfg.flops_per_token(int(context_mean // 2))) - head
+    passes = 2.0 + happo_passes
+    upd = passes * (body * update_tokens + head * update_head_tokens)
+    total = (body * (rollout_tokens + prepare_tokens) + head * (rollout_head_tokens + prepare_head_tokens)) + upd
+    flops = peak.flops(dtype)
+    out = {"perf/mfu": mfu(total, step_s, 1, flops), "perf/mfu/update": mfu(upd, update_s, 1, flops),
+           "perf/model_flops": total, "perf/peak_measured": float(peak.source == "measured"),
+           "perf/peak_host_rss_bytes": float(peaks.peak_host_rss_bytes())}
+    if sampler is not None and sampler.decode_s > 0:
+        out["perf/hbm_bw_util"] = sampler.decode_bytes / sampler.decode_s / peak.hbm_bytes_per_s
+        out["timing_s/rollout/prefill"] = sampler.prefill_s
+        out["timing_s/rollout/decode"] = sampler.decode_s
+    mem = peaks.peak_device_memory_bytes(device)
+    if mem is not None:
+        out["perf/peak_device_memory_bytes"] = float(mem)
+    return out
 
 
 def role_names(num_agents: int, roles: Sequence[str] | None = None) -> list[str]:

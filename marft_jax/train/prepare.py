@@ -48,7 +48,7 @@ class AdvantageConfig:
     reference_semantics: bool = False
     temperature: float = 1.0
     chunk: int = 128
-    tokens_per_call: int = 8192         # packed slots per forward call (memory bound)
+    tokens_per_call: int = 4096         # packed slots per forward call (memory bound)
     logp_old: str = "sampler"           # sampler | recompute
 
     def __post_init__(self) -> None:
@@ -65,6 +65,7 @@ class PrepareShapes:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
+@jax.named_scope("prepare/critic_features")
 def _packed_hidden_at(base, critic_lora, rows: tuple[packing.PackedRows, ...], gather, *, cfg: ModelConfig):
     """Base (+ critic LoRA) hidden states of packed rows, one ``[C_c, r_c, T_c]`` per length class
     (``C_c`` calls of ``r_c`` rows, run one after another), read at ``gather [G, P]`` flat
@@ -79,6 +80,7 @@ def _packed_hidden_at(base, critic_lora, rows: tuple[packing.PackedRows, ...], g
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "chunk"))
+@jax.named_scope("prepare/old_logprobs")
 def _packed_logprobs(base, lora: LoraStack, rows: packing.PackedRows, gather, act_tokens, act_valid, temperature,
                      *, cfg: ModelConfig, chunk: int):
     """Every agent's old log-probs from packed rows: rows ``[N, R_c, T_c]`` per class, gather / actions
@@ -199,6 +201,7 @@ def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Traj
 
 
 @functools.partial(jax.jit, static_argnames=("acfg",))
+@jax.named_scope("prepare/backups")
 def _advantages(value, act_valid, step_mask, score, agent_score, terminal, truncated, v_boot, *,
                 acfg: AdvantageConfig):
     """Decision masks, placed rewards and the backup, in one jitted program."""

