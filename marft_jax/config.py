@@ -59,6 +59,9 @@ class TeamSection:
     profile: str = "math/duo"           # packaged profile name or a YAML/JSON file
     num_agents: int = 2
     answer_agent: Optional[int] = None  # default: the profile's answering agent
+    # The team graph: chain | independent | mixture | debate; null = the profile's own
+    # `parents` if it has them, else chain (rollout.mode=parallel: independent).
+    graph: Optional[str] = None
 
 
 @dataclass
@@ -277,6 +280,14 @@ def validate(cfg: Config) -> Config:
     if cfg.team.answer_agent is not None:
         need("team.answer_agent", 0 <= cfg.team.answer_agent < cfg.team.num_agents,
              f"in [0, team.num_agents={cfg.team.num_agents})")
+    if cfg.team.graph is not None:
+        from marft_jax.rl.topology import GRAPHS
+
+        need("team.graph", cfg.team.graph in GRAPHS, f"one of {list(GRAPHS)} or null (the profile's own "
+             "'parents', else chain)")
+        need("team.graph", cfg.rollout.mode == "sequential" or cfg.team.graph == "independent",
+             f"compatible with rollout.mode={cfg.rollout.mode!r} (parallel is the independent graph; set "
+             "team.graph alone)")
     need("task.level", 1 <= cfg.task.level <= 5, "in [1, 5]")
     return cfg
 

@@ -175,3 +175,15 @@ def test_no_compiles_after_the_first_horizon_cycle(tiny_dir, tmp_path):
     for m in seen:
         assert m["perf/padding_ratio"] >= 1.0
         assert m["perf/tokens/update/computed"] >= m["perf/tokens/update/valid"] > 0
+
+
+@pytest.mark.parametrize("preset,calls", [("demo-mixture", 2), ("demo-debate", 1)])
+def test_graph_presets_train_on_the_tiny_model(tiny_dir, tmp_path, preset, calls):
+    """The embedded graph presets run end to end; the sampler makes one call per layer."""
+    from marft_jax.train.trainer import train
+
+    over = tiny_overrides(tiny_dir, tmp_path, preset, **{"train.iterations": 1, "train.save_every": 1})
+    summary = train(load_config(preset, over))
+    assert summary["iterations"] == 1
+    lines = [json.loads(line) for line in (tmp_path / preset / "metrics.jsonl").read_text().splitlines()]
+    assert [m["rollout/sampler_calls"] for m in lines if "rollout/sampler_calls" in m] == [calls]

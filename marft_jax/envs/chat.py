@@ -8,8 +8,8 @@ Reference §3. For agent ``i`` at step ``s``::
     …
 
 ``team_block(s')`` holds ``"[role_j]: output_j"`` for every agent of a finished step and for
-agents ``j < i`` of the current step (sequential chain), or nothing of the current step in
-parallel (independent-PPO) mode. Blocks are joined by a blank line. If a template rejects
+agent i's parents in the team graph at the current step (agents ``j < i`` in the sequential
+chain; nobody in parallel, independent-PPO, mode; see :mod:`marft_jax.rl.topology`). Blocks are joined by a blank line. If a template rejects
 consecutive user turns they are merged (blank-line separated).
 """
 
@@ -43,6 +43,7 @@ def build_messages(
     roles: Sequence[str],
     history: Sequence[StepRecord],
     current_outputs: Sequence[str],
+    current_roles: Sequence[str] | None = None,
 ) -> list[Message]:
     """Messages for one agent.
 
@@ -51,11 +52,14 @@ def build_messages(
       task_view: the task text this agent sees (heterogeneous observations allowed).
       roles: role name of every agent, in order.
       history: finished steps of this episode (all agents' outputs and the feedback).
-      current_outputs: outputs of the current step visible to this agent (agents before it
-        in the chain; empty in parallel mode).
+      current_outputs: outputs of the current step visible to this agent (its parents in the
+        team graph: the agents before it in the chain; none in parallel mode).
+      current_roles: the role of each of ``current_outputs`` (default: ``roles`` in order, the
+        chain's prefix).
     """
     msgs: list[Message] = [{"role": "system", "content": system_prompt}]
-    blocks = [team_block(roles, h.outputs) for h in history] + [team_block(roles, current_outputs)]
+    blocks = [team_block(roles, h.outputs) for h in history]
+    blocks.append(team_block(roles if current_roles is None else current_roles, current_outputs))
     msgs.append({"role": "user", "content": _join(task_view, blocks[0])})
     for h, block in zip(history, blocks[1:]):
         msgs.append({"role": "user", "content": _join(h.feedback or "", block)})
@@ -73,13 +77,15 @@ def merge_consecutive_users(messages: Sequence[Message]) -> list[Message]:
 
 
 def g1_raw_prompt(system_prompt: str, task: str, roles: Sequence[str], history: Sequence[StepRecord],
-                  current_outputs: Sequence[str], agent: int) -> str:
-    """G1's raw-text context (parity runs only; special-token strings tokenized as text)."""
+                  current_outputs: Sequence[str], agent: int, current_roles: Sequence[str] | None = None) -> str:
+    """G1's raw-text context (parity runs only; special-token strings tokenized as text).
+    ``current_roles`` as in :func:`build_messages`."""
+    current_roles = roles if current_roles is None else current_roles
     text = system_prompt + "<|im_start|>problem: " + task + "<|im_end|>\n"
     for h in history:
         text += "".join(f"{r}: {a}\n" for r, a in zip(roles, h.outputs))
         text += f"judge: {h.feedback or 'The answer is incorrect.'}\n"
-    text += "".join(f"<|im_start|>{roles[j]}: {a}<|im_end|>\n" for j, a in enumerate(current_outputs))
+    text += "".join(f"<|im_start|>{r}: {a}<|im_end|>\n" for r, a in zip(current_roles, current_outputs))
     return text + f"<|im_start|>{roles[agent]}: "
 
 

@@ -5,8 +5,12 @@ Reference: ``docs/marft-reference.md`` section 4.
 Extraction (:func:`extract_answer`), in order:
   1. the content of the last brace-balanced ``\\boxed{...}`` / ``\\fbox{...}``
      (``\\boxed 5`` without braces takes the next whitespace-delimited token);
-  2. the text after the last "the answer is" / "final answer is", to the end of the sentence;
-  3. the last number in the text (``last_number_fallback``, default on).
+  2. the text after the last "the answer is" / "final answer is", to the end of the sentence,
+     cut before a justification word ("12 because 4 groups of 3" -> "12"; also since, as,
+     due to, given, which, so, hence, thus, therefore); an ellipsis right after decimal
+     digits ("0.333...") belongs to the number, not to the sentence;
+  3. the last number in the text (``last_number_fallback``, default on), with the notations
+     below taken whole ("3 x 10^8", "0.(3)").
 
 Equivalence (:func:`grade`), first decisive step wins; ``info["method"]`` names it:
   ``"exact"``       the normalized strings are identical (cheap shortcut, always sound);
@@ -19,6 +23,14 @@ Equivalence (:func:`grade`), first decisive step wins; ``info["method"]`` names 
 When math-verify fails and the numeric fallback does not apply, the reward is 0 and
 ``info["reason"]`` is ``"timeout"`` / ``"verify_error"`` (``info["method"] == "fallback"``).
 
+Before comparing, both sides written in a plain-text number notation are rewritten to their
+exact value (:func:`rewrite_notation`; rules in :func:`notation_value`): scientific notation
+(``1.5e3``, ``1.5 x 10^3``, ``1.5 \\times 10^{3}``) and repeating decimals (``0.(3)``,
+``0.1\\overline{6}``, ``0.\\dot{3}``, ``0.3 repeating``, and ``0.333...`` only when a digit
+block is visibly repeated before the ellipsis). Plain decimals are never read as repeating:
+``0.33`` and ``0.3333`` differ from 1/3 (math-verify rounds to 6 decimal places, so
+``0.333333`` already matched and still does).
+
 Gold answers are used as given (never last-number extracted: ``\\frac{14}{3}`` stays 14/3);
 GSM8K worked solutions go through :func:`gsm8k_final_answer` first.
 """
@@ -29,7 +41,6 @@ import atexit
 import fractions
 import importlib
 import json
-import math
 import os
 import re
 import select
@@ -44,6 +55,11 @@ from marft_jax.envs.task import Score
 DEFAULT_TIMEOUT_S = 5.0
 NUMERIC_REL_TOL = 1e-4
 DEFAULT_VERIFY_FN = "marft_jax.envs.math_grading:math_verify_equal"
+# Exact values of number notations are only built for moderate sizes: "1e999999" would make a
+# million-digit integer (slow to build, too long to print for math-verify). Larger ones are left
+# as written, for math-verify under the worker's hard time limit.
+MAX_EXPONENT = 400
+MAX_NOTATION_DIGITS = 200
 
 # ----------------------------------------------------------------------------------------------
 # Extraction
@@ -52,7 +68,30 @@ DEFAULT_VERIFY_FN = "marft_jax.envs.math_grading:math_verify_equal"
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _ANSWER_IS_RE = re.compile(r"(?:final answer|the answer)\s*(?:is\b|:)\s*:?", re.IGNORECASE)
 _SENTENCE_END_RE = re.compile(r"\.(?=\s|$)|\n")
-_NUMBER_RE = re.compile(r"(?<![\w)\]}.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?|(?<![\w)\]}.])-?\.\d+")
+# "0.333..." : an ellipsis after decimal digits belongs to the number, not to the sentence.
+_DECIMAL_ELLIPSIS_RE = re.compile(r"(?<=\d\.)(\d+)\.\.\.")
+# A justification after the stated answer: "12 because 3 * 4 = 12", "7, since 10 - 3 = 7".
+_JUSTIFICATION_RE = re.compile(
+    r"\s*[,;]?\s*\(?\s*\b(?:because|since|as|due to|given|which|so|hence|thus|therefore)\b",
+    re.IGNORECASE,
+)
+
+# Plain-text number notations (shared by last_number and notation_value).
+_TIMES = r"(?:[xX\u00d7*\u00b7]|\\times|\\cdot)"
+_SCI_TAIL = rf"(?:[eE][-+]?\d+(?!\w|\.\d)|\s*{_TIMES}\s*10\s*\^\s*(?:\{{\s*[-+]?\d+\s*\}}|[-+]?\d+))"
+_ELLIPSIS = r"(?:\.\.\.|\u2026|\\[lc]?dots)"
+_REPEAT_WORD = r"\(?(?:repeating|recurring|repeated)\)?"
+_DOT = r"\\dot\s*\{?\d\}?"
+_MARKED_REPETEND = rf"(?:\(\d+\)|\\(?:overline|bar)\s*(?:\{{\d+\}}|\d)|{_DOT}(?:\d*{_DOT})?)"
+_NOTATION_NUMBER = (
+    rf"-?(?:\d+(?:\.\d*)?|\.\d+){_SCI_TAIL}"
+    rf"|-?\d*\.\d+(?:\s*{_ELLIPSIS}|\s+{_REPEAT_WORD})"
+    rf"|-?(?:\d+\.\d*|\.\d*){_MARKED_REPETEND}"
+)
+_NUMBER_RE = re.compile(
+    rf"(?<![\w)\]}}.])(?:{_NOTATION_NUMBER})"
+    r"|(?<![\w)\]}.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?|(?<![\w)\]}.])-?\.\d+"
+)
 
 
 def _balanced_group(text: str, open_idx: int) -> str | None:
@@ -101,15 +140,33 @@ def _answer_is(text: str) -> str | None:
     if not matches:
         return None
     rest = text[matches[-1].end() :]
-    end = _SENTENCE_END_RE.search(rest)
-    candidate = (rest[: end.start()] if end else rest).strip().strip("*").strip()
-    candidate = candidate.strip("$").strip().rstrip(".").strip()
+    masked = _DECIMAL_ELLIPSIS_RE.sub(lambda m: m.group(1) + "\0\0\0", rest)
+    end = _SENTENCE_END_RE.search(masked)
+    candidate = _drop_justification(rest[: end.start()] if end else rest)
+    candidate = candidate.strip().strip("*").strip().strip("$").strip()
+    if not re.search(rf"\d\.\d+\s*{_ELLIPSIS}$", candidate):
+        candidate = candidate.rstrip(".").strip()
     return candidate or None
 
 
+def _drop_justification(candidate: str) -> str:
+    """Cut a stated answer at the first justification word: ``"12 because 4 groups of 3"`` -> ``"12"``.
+
+    Left unchanged when nothing precedes the word (``"as follows: 12"``).
+    """
+    match = _JUSTIFICATION_RE.search(candidate)
+    if match is None or not candidate[: match.start()].strip(" \t*$,;("):
+        return candidate
+    return candidate[: match.start()]
+
+
 def last_number(text: str) -> str | None:
-    """The last number in ``text`` (int, decimal or ``a/b``), thousands separators removed."""
-    numbers = _NUMBER_RE.findall(text)
+    """The last number in ``text``, thousands separators removed.
+
+    Int, decimal or ``a/b``, and the plain-text notations of :func:`notation_value`
+    (``1.5 x 10^3``, ``2.5e-4``, ``0.(3)``, ``0.333...``) taken whole.
+    """
+    numbers = [m.group(0) for m in _NUMBER_RE.finditer(text)]
     return numbers[-1].replace(",", "") if numbers else None
 
 
@@ -200,9 +257,16 @@ def normalize_answer(answer: str) -> str:
 _FRAC_RE = re.compile(r"(-?)\\frac\{([^{}]+)\}\{([^{}]+)\}|(-?)\\frac(\d)(\d)")
 
 
+def _exponent_ok(exponent: str) -> bool:
+    """A decimal exponent small enough to build exactly (``|n| <= MAX_EXPONENT``)."""
+    digits = exponent.lstrip("+-")
+    return len(digits) <= 6 and int(digits) <= MAX_EXPONENT
+
+
 def _plain_number(s: str) -> fractions.Fraction | None:
     """``"3"``, ``"-0.25"``, ``"14/3"``, ``"1e3"`` as an exact Fraction, else None."""
-    if not re.fullmatch(rf"{_NUM}(?:[eE][-+]?\d+)?(?:/{_NUM})?", s):
+    m = re.fullmatch(rf"{_NUM}(?:[eE]([-+]?\d+))?(?:/{_NUM})?", s)
+    if not m or (m.group(1) and not _exponent_ok(m.group(1))):
         return None
     try:
         if "/" in s:
@@ -234,6 +298,125 @@ def _fraction_value(s: str) -> fractions.Fraction | None:
     return whole - value if whole < 0 or whole_str.startswith("-") else whole + value
 
 
+_SCI_RE = re.compile(
+    rf"(?P<mant>[-+]?(?:\d+(?:\.\d*)?|\.\d+))"
+    rf"(?:[eE](?P<e1>[-+]?\d+)"
+    rf"|\s*{_TIMES}\s*10\s*\^\s*(?:\{{\s*(?P<e2>[-+]?\d+)\s*\}}|(?P<e3>[-+]?\d+)))"
+)
+_DEC_HEAD = r"(?P<sign>[-+]?)(?P<int>\d*)\.(?P<frac>\d*)"
+_PAREN_RE = re.compile(rf"{_DEC_HEAD}\((?P<rep>\d+)\)")
+_OVERLINE_RE = re.compile(rf"{_DEC_HEAD}\\(?:overline|bar)\s*(?:\{{(?P<rep>\d+)\}}|(?P<rep1>\d))")
+_DOTS_RE = re.compile(
+    rf"{_DEC_HEAD}\\dot\s*\{{?(?P<first>\d)\}}?(?:(?P<mid>\d*)\\dot\s*\{{?(?P<last>\d)\}}?)?"
+)
+_ELLIPSIS_RE = re.compile(rf"{_DEC_HEAD}\s*{_ELLIPSIS}")
+_REPEAT_WORD_RE = re.compile(rf"{_DEC_HEAD}\s+{_REPEAT_WORD}", re.IGNORECASE)
+
+
+def _notation_text(answer: str) -> str:
+    """The answer without ``$``, ``\\left``/``\\right``, thin spaces, ``\\text`` or a final period."""
+    s = answer.strip().replace("\\$", "").replace("$", "")
+    s = re.sub(r"\\(?:left|right)(?![A-Za-z])|\\[!,;:]|~", "", s)
+    s = _TEXT_CMD_RE.sub(r" \1 ", s).strip()
+    if s.endswith(".") and not re.search(rf"{_ELLIPSIS}$", s):
+        s = s[:-1].rstrip()
+    return s
+
+
+def _scientific_value(s: str) -> fractions.Fraction | None:
+    """``1.5e3``, ``2.5E-4``, ``1.5 x 10^3``, ``1.5 \\times 10^{3}``, ``3*10^8`` exactly."""
+    m = _SCI_RE.fullmatch(s)
+    if not m:
+        return None
+    exponent = m.group("e1") or m.group("e2") or m.group("e3")
+    if not _exponent_ok(exponent) or len(m.group("mant")) > MAX_NOTATION_DIGITS:
+        return None
+    return fractions.Fraction(m.group("mant")) * fractions.Fraction(10) ** int(exponent)
+
+
+def _repeating(sign: str, whole: str, pre: str, rep: str) -> fractions.Fraction | None:
+    """``sign whole . pre (rep)(rep)...`` as an exact Fraction (``0.1(6)`` = 1/6)."""
+    if not rep or len(whole) + len(pre) + len(rep) > MAX_NOTATION_DIGITS:
+        return None
+    value = int(whole or "0") + fractions.Fraction(int(pre or "0"), 10 ** len(pre))
+    value += fractions.Fraction(int(rep), (10 ** len(rep) - 1) * 10 ** len(pre))
+    return -value if sign == "-" else value
+
+
+def repeated_tail(frac: str) -> tuple[str, str] | None:
+    """Split decimal digits into ``(pre, repetend)`` when they end in a block written twice.
+
+    The repetend is the shortest block ``B`` with ``frac`` ending in ``BB``: ``"333"`` ->
+    ``("33", "3")``, ``"1666"`` -> ``("166", "6")``, ``"142857142857"`` -> ``("142857", "142857")``.
+    None when no block is repeated (``"3"``, ``"14159"``): an ellipsis there marks truncation.
+    """
+    for k in range(1, len(frac) // 2 + 1):
+        if frac[-k:] == frac[-2 * k : -k]:
+            return frac[:-k], frac[-k:]
+    return None
+
+
+def _repeating_value(s: str) -> fractions.Fraction | None:
+    """Exact value of a repeating decimal written as ``0.(3)``, ``0.\\overline{3}``, ``0.\\dot{3}``,
+    ``0.333...`` or ``0.3 repeating`` (rules in :func:`notation_value`)."""
+    for regex in (_PAREN_RE, _OVERLINE_RE):
+        m = regex.fullmatch(s)
+        if m:
+            rep = m.groupdict().get("rep") or m.groupdict().get("rep1")
+            return _repeating(m["sign"], m["int"], m["frac"], rep)
+    m = _DOTS_RE.fullmatch(s)
+    if m:
+        rep = m["first"] + (m["mid"] + m["last"] if m["last"] else "")
+        return _repeating(m["sign"], m["int"], m["frac"], rep)
+    m = _ELLIPSIS_RE.fullmatch(s)
+    if m:
+        split = repeated_tail(m["frac"])
+        return _repeating(m["sign"], m["int"], *split) if split else None
+    m = _REPEAT_WORD_RE.fullmatch(s)
+    if m and m["frac"]:
+        pre, rep = repeated_tail(m["frac"]) or ("", m["frac"])
+        return _repeating(m["sign"], m["int"], pre, rep)
+    return None
+
+
+def notation_value(answer: str) -> fractions.Fraction | None:
+    """Exact value of a number in scientific or repeating-decimal notation, else None.
+
+    Scientific: a decimal mantissa then ``e``/``E`` and an integer exponent, or then ``x``,
+    ``X``, ``×``, ``*``, ``·``, ``\\times`` or ``\\cdot`` and ``10^n`` / ``10^{n}`` (the whole answer
+    must be that number, so ``5x`` or ``2e`` stay expressions); ``|n| > MAX_EXPONENT`` -> None.
+    Repeating: the repetend marked by parentheses after the decimal point (``0.(3)``,
+    ``1.2(3)``; ``2(3)`` without a point stays a product), ``\\overline``/``\\bar``, or ``\\dot``
+    over one digit or over the first and last digits of the block (``0.\\dot{1}4285\\dot{7}``).
+    An ellipsis (``...``, ``…``, ``\\ldots``, ``\\dots``, ``\\cdots``) counts only when the digits
+    before it end in a block written at least twice (:func:`repeated_tail`): ``0.33...`` and
+    ``0.1666...`` repeat, ``0.3...`` and ``3.14159...`` do not (None). The word ``repeating`` /
+    ``recurring`` uses that block if there is one, else all the decimals repeat
+    (``0.3 repeating`` = 1/3, ``0.16 repeating`` = 16/99). Plain decimals (``0.33``,
+    ``0.3333``) are not notations: they keep their finite value.
+    """
+    s = _notation_text(answer)
+    if len(s) > 4 * MAX_NOTATION_DIGITS:
+        return None
+    value = _scientific_value(s)
+    return value if value is not None else _repeating_value(s)
+
+
+def fraction_latex(value: fractions.Fraction) -> str:
+    """``1500``, ``\\frac{1}{3}``, ``-\\frac{37}{30}``: an exact value every later step parses."""
+    if value.denominator == 1:
+        return str(value.numerator)
+    sign = "-" if value < 0 else ""
+    return f"{sign}\\frac{{{abs(value.numerator)}}}{{{value.denominator}}}"
+
+
+def rewrite_notation(answer: str) -> str:
+    """The answer as an exact integer / ``\\frac`` when it is in a :func:`notation_value` notation,
+    else unchanged (math-verify reads ``1.5e3`` as ``1.5 e 3`` and ``0.(3)`` as a product)."""
+    value = notation_value(answer)
+    return answer if value is None else fraction_latex(value)
+
+
 def parse_numbers(answer: str) -> list[fractions.Fraction] | None:
     """Candidate numeric values of an answer, or None if it is not a plain number.
 
@@ -257,7 +440,8 @@ def numeric_equal(a: str, b: str, rel_tol: float = NUMERIC_REL_TOL) -> bool | No
     xs, ys = parse_numbers(a), parse_numbers(b)
     if xs is None or ys is None:
         return None
-    return any(math.isclose(float(x), float(y), rel_tol=rel_tol, abs_tol=0.0) for x in xs for y in ys)
+    tol = fractions.Fraction(repr(rel_tol))  # exact, and no float overflow on 1e400
+    return any(abs(x - y) <= tol * max(abs(x), abs(y)) for x in xs for y in ys)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -494,6 +678,7 @@ def answers_equivalent(
       ``(equal, info)`` with ``info["method"]`` and, when math-verify failed,
       ``info["verify_error"]`` (``"timeout"``, ``"unparsed"`` or the exception text).
     """
+    pred, gold = rewrite_notation(pred), rewrite_notation(gold)
     norm_pred, norm_gold = normalize_answer(pred), normalize_answer(gold)
     if norm_pred == norm_gold:
         return True, {"method": "exact"}

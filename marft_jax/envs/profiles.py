@@ -14,6 +14,11 @@ one of those names or the path of a YAML/JSON file with the same schema::
         system_prompt: "..."
       - role: solver
         system_prompt: "..."
+        parents: [planner]   # optional: the roles whose current-step outputs it reads
+
+Without any ``parents`` the team graph comes from ``team.graph`` (default: the chain); with
+``parents`` on any agent the set defines its own graph (agents without the key read nobody),
+see :mod:`marft_jax.rl.topology`.
 
 :func:`validate` checks a set against the run's number of agents.
 """
@@ -53,12 +58,14 @@ class ProfileSet:
       kind: ``"math"`` or ``"code"``.
       agents: one profile per agent, in execution order.
       answer_agent: index of the agent whose output is scored (default: the last).
+      parents: ``{role: (roles it reads, ...)}`` when the file gives ``parents``, else None.
     """
 
     name: str
     kind: str
     agents: tuple[AgentProfile, ...]
     answer_agent: int
+    parents: dict[str, tuple[str, ...]] | None = None
 
     @property
     def num_agents(self) -> int:
@@ -120,11 +127,13 @@ def _from_dict(doc: Any, source: str) -> ProfileSet:
     if not isinstance(doc["agents"], list):
         raise ValueError(f"{source}: 'agents' must be a list, got {type(doc['agents']).__name__}")
     agents = []
+    parents: dict[str, tuple[str, ...]] = {}
+    has_parents = any(isinstance(e, dict) and "parents" in e for e in doc["agents"])
     for i, entry in enumerate(doc["agents"]):
         if not isinstance(entry, dict):
             raise ValueError(f"{source}: agents[{i}] must be a mapping with 'role' and "
                              f"'system_prompt', got {type(entry).__name__}")
-        extra = sorted(set(entry) - {"role", "system_prompt"})
+        extra = sorted(set(entry) - {"role", "system_prompt", "parents"})
         if extra:
             raise ValueError(f"{source}: agents[{i}] has unknown key(s) {extra}")
         for key in ("role", "system_prompt"):
@@ -134,6 +143,11 @@ def _from_dict(doc: Any, source: str) -> ProfileSet:
                 raise ValueError(f"{source}: agents[{i}].{key} must be a string, "
                                  f"got {type(entry[key]).__name__}")
         agents.append(AgentProfile(role=entry["role"], system_prompt=entry["system_prompt"]))
+        if "parents" in entry:
+            ps = entry["parents"]
+            if not isinstance(ps, list) or not all(isinstance(p, str) for p in ps):
+                raise ValueError(f"{source}: agents[{i}].parents must be a list of role names, got {ps!r}")
+            parents[entry["role"]] = tuple(ps)
     answer = doc.get("answer_agent", len(agents) - 1)
     if isinstance(answer, str):
         roles = [a.role for a in agents]
@@ -141,7 +155,7 @@ def _from_dict(doc: Any, source: str) -> ProfileSet:
             raise ValueError(f"{source}: answer_agent {answer!r} names no agent; roles: {roles}")
         answer = roles.index(answer)
     return ProfileSet(name=str(doc.get("name", source)), kind=doc["kind"], agents=tuple(agents),
-                      answer_agent=answer)
+                      answer_agent=answer, parents=parents if has_parents else None)
 
 
 def _parse(text: str, source: str, as_json: bool) -> Any:
@@ -212,4 +226,8 @@ def validate(profiles: ProfileSet, num_agents: int | None = None) -> ProfileSet:
     if not 0 <= answer < n:
         raise ValueError(f"{where}: answer_agent={answer} is out of range for {n} agent(s) "
                          f"(valid: 0..{n - 1})")
+    if profiles.parents is not None:   # cycles, unknown and idle roles, named in the error
+        from marft_jax.rl import topology
+
+        topology.from_parents(profiles.parents, roles, [roles[answer]], source=where)
     return profiles

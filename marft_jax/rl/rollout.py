@@ -1,9 +1,11 @@
-"""Multi-agent rollout: the Flex-MG sequential chain (MARFT) and the parallel baseline.
+"""Multi-agent rollout over the team graph (:mod:`marft_jax.rl.topology`).
 
-Within a step the agents act in order 0 … N-1; agent ``i`` generates for every active row at
-once with its adapter, then agent ``i+1`` starts and sees agent ``i``'s output (reference §3).
-In ``parallel`` mode (independent PPO, §10) every agent sees only the task and earlier steps,
-and all agents of a step are generated in one batched sampler call with per-row adapter ids.
+Within a step the graph's layers act in order; the agents of one layer generate for every
+active row in one batched sampler call (per-row adapter ids), and an agent's context holds the
+current-step outputs of its parents only. The chain (MARFT, reference §3) is N layers of one
+agent: agent ``i`` sees agents ``0 … i-1``. Independent PPO (``parallel`` mode, §10) is one
+layer of N: every agent sees only the task and earlier steps. The answering agents' outputs
+are scored; with several answerers the team's score is their mean.
 Multi-step episodes append the environment's feedback and continue until the answer is
 accepted (``score ≥ success_threshold``), the horizon is reached (terminal), or the step cap
 ``max_steps`` cuts them (truncated, bootstrapped from agent 0's next-step context).
@@ -19,6 +21,7 @@ import numpy as np
 
 from marft_jax.envs.chat import ChatTokenizer, StepRecord, build_messages, g1_raw_prompt
 from marft_jax.envs.task import Problem, Score, Transcript
+from marft_jax.rl import topology as topo
 from marft_jax.rl.trajectory import Trajectory
 from marft_jax.sampling.buckets import length_bucket
 
@@ -89,31 +92,44 @@ class RolloutConfig:
 @dataclasses.dataclass
 class RolloutTexts:
     """Host-side texts: ``outputs[s][b][i]`` decoded response ('' when not played);
-    ``infos[s][b]``: the scorer's info dict of the step."""
+    ``infos[s][b]``: the scorer's info dict of the step; ``sampler_calls``: sampler calls per
+    played env step (the graph's layer count)."""
 
     outputs: list[list[list[str]]]
     infos: list[list[dict]]
+    sampler_calls: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
 class Team:
-    """Profiles of the team: role names, system prompts, answering agent."""
+    """Profiles of the team: role names, system prompts, answering agent, and the team graph
+    (None: the chain, or independent agents in ``parallel`` mode)."""
 
     roles: tuple[str, ...]
     system_prompts: tuple[str, ...]
     answer_agent: int
+    topology: topo.Topology | None = None
 
     @property
     def num_agents(self) -> int:
         return len(self.roles)
 
+    def graph(self, mode: str) -> topo.Topology:
+        if self.topology is not None:
+            return self.topology
+        return topo.resolve(None, roles=self.roles, answer_agent=self.answer_agent, mode=mode)
 
-def _context(team: Team, problem: Problem, agent: int, history, current, cfg: RolloutConfig, tok):
+
+def _context(team: Team, problem: Problem, agent: int, history, current: dict[int, str],
+             cfg: RolloutConfig, tok):
+    """Agent ``agent``'s context; ``current`` maps the parents it reads to their outputs."""
+    roles = [team.roles[j] for j in current]
+    outs = list(current.values())
     if cfg.prompt_format == "g1_raw":
         return tok.encode_text(g1_raw_prompt(team.system_prompts[agent], problem.view(agent), team.roles,
-                                             history, current, agent))
+                                             history, outs, agent, current_roles=roles))
     return tok.encode_chat(build_messages(team.system_prompts[agent], problem.view(agent), team.roles,
-                                          history, current))
+                                          history, outs, current_roles=roles))
 
 
 def rollout(
@@ -128,6 +144,10 @@ def rollout(
 ) -> tuple[Trajectory, RolloutTexts]:
     """Play one batch of episodes and return the trajectory (numpy arrays) and the texts."""
     B, N, S = len(problems), team.num_agents, cfg.steps
+    graph = team.graph(cfg.mode)
+    if graph.num_agents != N:
+        raise ValueError(f"the team graph has {graph.num_agents} agents, the team {N}")
+    calls_made = 0
     K = max(cfg.budget(i) for i in range(N))
     ctx: dict[tuple[int, int, int], list[int]] = {}
     act = np.zeros((S, B, N, K), np.int32)
@@ -153,7 +173,8 @@ def rollout(
         """Generate for (row, agent, prompt) triples and store the results at step s."""
         agents = np.array([a for _, a, _ in calls], np.int32)
         budget = max(cfg.budget(a) for a in agents)
-        nonlocal has_policy_logp
+        nonlocal has_policy_logp, calls_made
+        calls_made += 1
         with jax.profiler.TraceAnnotation(f"rollout/step{s}/agents{'+'.join(map(str, sorted(set(agents.tolist()))))}"):
             gen = generate([p for _, _, p in calls], agents, budget, k)
         has_policy_logp = has_policy_logp and gen.policy_logp is not None and gen.entropy is not None
@@ -178,34 +199,27 @@ def rollout(
             break
         step_mask[s, rows] = True
         key, *agent_keys = jax.random.split(key, N + 1)
-        if cfg.mode == "sequential":
-            for i in range(N):
-                calls = [(b, i, _context(team, problems[b], i, history[b], outputs[s][b][:i], cfg, tokenizer))
-                         for b in rows]
-                run(calls, s, agent_keys[i])
-        else:
-            calls = [(b, i, _context(team, problems[b], i, history[b], [], cfg, tokenizer))
-                     for b in rows for i in range(N)]
-            run(calls, s, agent_keys[0])
+        for layer in graph.layers:   # a layer samples with its first agent's key
+            calls = [(b, i, _context(team, problems[b], i, history[b],
+                                     {j: outputs[s][b][j] for j in graph.parents[i]}, cfg, tokenizer))
+                     for b in rows for i in layer]
+            run(calls, s, agent_keys[layer[0]])
 
-        if cfg.mode == "sequential":
-            transcripts = [Transcript(problems[b], tuple(outputs[s][b]), team.answer_agent) for b in rows]
-            verdicts = list(score(transcripts))
-            for b, v in zip(rows, verdicts):
-                score_arr[s, b] = v.reward
-                agent_score[s, b, :] = v.reward
+        answers = graph.answer_agents
+        transcripts = [Transcript(problems[b], tuple(outputs[s][b]), a) for b in rows for a in answers]
+        verdicts = list(score(transcripts))
+        A = len(answers)
+        for j, v in enumerate(verdicts):
+            b, a = rows[j // A], answers[j % A]
+            if graph.independent:
+                agent_score[s, b, a] = v.reward
+            if a == (team.answer_agent if graph.independent else graph.answer_agent):
                 infos[s][b] = dict(v.info)
-            success = score_arr[s, rows] >= cfg.success_threshold
-        else:  # every agent answers and is verified
-            transcripts = [Transcript(problems[b], tuple(outputs[s][b]), i) for b in rows for i in range(N)]
-            verdicts = list(score(transcripts))
-            for j, v in enumerate(verdicts):
-                b, i = rows[j // N], j % N
-                agent_score[s, b, i] = v.reward
-                if i == team.answer_agent:
-                    infos[s][b] = dict(v.info)
-            score_arr[s, rows] = agent_score[s, rows].mean(-1)
-            success = score_arr[s, rows] >= cfg.success_threshold
+        rewards = np.array([v.reward for v in verdicts], np.float32).reshape(len(rows), A)
+        score_arr[s, rows] = rewards.mean(-1)
+        if not graph.independent:   # a cooperative team: every agent shares the team's score
+            agent_score[s, rows, :] = score_arr[s, rows, None]
+        success = score_arr[s, rows] >= cfg.success_threshold
 
         last_allowed = s == cfg.horizon - 1
         term = success | last_allowed
@@ -215,8 +229,8 @@ def rollout(
         for j, b in enumerate(rows):
             history[b].append(StepRecord(tuple(outputs[s][b]), None if term[j] else cfg.feedback))
             if trunc[j]:
-                for i in (range(N) if cfg.mode == "parallel" else [0]):
-                    boot[(b, i)] = _context(team, problems[b], i, history[b], [], cfg, tokenizer)
+                for i in (range(N) if graph.independent else [0]):
+                    boot[(b, i)] = _context(team, problems[b], i, history[b], {}, cfg, tokenizer)
         active[rows[term | trunc]] = False
 
     L = length_bucket(max([len(p) for p in ctx.values()] + [len(p) for p in boot.values()] + [1]),
@@ -241,4 +255,5 @@ def rollout(
                       policy_logp=policy_logp if has_policy_logp else None,
                       entropy=entropy if has_policy_logp else None)
     traj.check()
-    return traj, RolloutTexts(outputs=outputs, infos=infos)
+    played = int(step_mask.any(-1).sum())
+    return traj, RolloutTexts(outputs=outputs, infos=infos, sampler_calls=calls_made / max(played, 1))

@@ -251,7 +251,9 @@ def _check(t: Topology) -> None:
                             f"for roles {list(t.roles)}")
     read = {p for ps in t.parents for p in ps}
     idle = [t.roles[i] for i in range(n) if i not in read and i not in t.answer_agents]
-    if idle:
+    # The named chain keeps accepting any answering agent (team.answer_agent): agents after it
+    # still act, and learn from the shared reward through the chained links.
+    if idle and t.name != "chain":
         raise TopologyError(f"graph {t.name!r}: role(s) {idle} are read by no role and do not answer "
                             f"(answering: {[t.roles[a] for a in t.answer_agents]}); give them a reader "
                             "or drop them")

@@ -16,6 +16,7 @@ from marft_jax.envs.task import Task
 from marft_jax.models import attention as attention_lib
 from marft_jax.models import registry
 from marft_jax.models.lora import LoraConfig
+from marft_jax.rl import topology
 from marft_jax.rl.rollout import RolloutConfig, Team
 from marft_jax.rl.update import UpdateConfig
 from marft_jax.sampling.sampler import Sampler, SamplingConfig
@@ -53,7 +54,10 @@ def build_task(cfg: Config) -> Task:
 def build_team(cfg: Config) -> Team:
     prof = profiles_lib.validate(profiles_lib.load_profiles(cfg.team.profile), cfg.team.num_agents)
     answer = cfg.team.answer_agent if cfg.team.answer_agent is not None else prof.answer_agent
-    return Team(roles=prof.roles, system_prompts=prof.system_prompts, answer_agent=answer)
+    graph = topology.resolve(cfg.team.graph, roles=prof.roles, answer_agent=answer, profile_parents=prof.parents,
+                             num_agents=cfg.team.num_agents, mode=cfg.rollout.mode,
+                             source=f"team.graph (profile {prof.name!r})")
+    return Team(roles=prof.roles, system_prompts=prof.system_prompts, answer_agent=answer, topology=graph)
 
 
 def model_dtype(cfg: Config):
@@ -141,7 +145,7 @@ def build_run(cfg: Config) -> Run:
         update_cfg=update_config(cfg, updates),
         adv_cfg=AdvantageConfig(level=cfg.algo.level, gamma=cfg.gamma, lam=cfg.lam, reward_to=cfg.algo.reward_to,
                                 reward_bias=cfg.algo.reward_bias, reward_scale=cfg.algo.reward_scale,
-                                reward_clip=cfg.algo.reward_clip, independent=(r.mode == "parallel"),
+                                reward_clip=cfg.algo.reward_clip, independent=team.topology.independent,
                                 ippo_own_weight=cfg.algo.ippo_own_weight,
                                 reference_semantics=cfg.algo.reference_semantics, temperature=r.temperature,
                                 logp_old=cfg.ppo.logp_old),

@@ -181,6 +181,7 @@ class TeamLearner:
         metrics = dict(timings)
         metrics.update(prep)
         metrics.update(self.episode_metrics(traj))
+        metrics["rollout/sampler_calls"] = texts.sampler_calls
         roles = self.team.roles
         upd = jax.device_get(upd)
         for name, values in upd["actor"].items():

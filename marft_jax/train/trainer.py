@@ -119,13 +119,15 @@ def _eval_and_save(run: Run, state: TrainState, problems, cfg: Config, run_dir: 
 
 
 def method_fields(cfg: Config) -> dict:
-    """How the table groups a run: method, agents, roles."""
+    """How the table groups a run: method, agents, roles (and the graph when not the default)."""
     if cfg.team.num_agents == 1:
         method = "single agent (PPO-" + ("A" if cfg.algo.level == "action" else "T") + ")"
-    elif cfg.rollout.mode == "parallel":
+    elif cfg.rollout.mode == "parallel" or cfg.team.graph == "independent":
         method = "independent PPO"
     else:
         method = "MARFT-A" if cfg.algo.level == "action" else "MARFT-T"
+        if cfg.team.graph not in (None, "chain"):
+            method += f" ({cfg.team.graph})"
     return {"method": method, "agents": cfg.team.num_agents,
             "roles": "anonymous" if "anonymous" in cfg.team.profile else "named"}
 
