@@ -235,3 +235,11 @@ def test_configuration_doc_lists_every_key():
     assert not missing, missing
     presets_named = [n for n in PRESETS if not n.startswith("paper/")]
     assert all(n.split("/")[0] in doc for n in presets_named)
+
+
+def test_critic_lora_with_a_joint_history_graph_names_both_keys():
+    from marft_jax.train.build import build_team
+
+    with pytest.raises(ConfigError, match=r"ppo\.critic_lora.*math/mixture-short.*team\.graph"):
+        build_team(load_config("demo-mixture", ["ppo.critic_lora=true"]))
+    assert build_team(load_config("demo", ["ppo.critic_lora=true"])).topology.is_chain

@@ -160,3 +160,21 @@ def test_profile_parents_define_the_graph_and_bad_graphs_name_the_file(tmp_path)
     idle.write_text(good.read_text().replace("parents: [x, y]", "parents: [x]"))
     with pytest.raises(ValueError, match=r"\['y'\].*read by no role"):
         load_profiles(idle)
+
+
+def test_the_critic_reads_the_joint_history_where_the_policy_reads_its_parents_only():
+    roles = ("proposer_a", "proposer_b", "aggregator")
+    traj, texts, _ = _play(_team(roles, topo.named("mixture", roles)), RolloutConfig(max_new_tokens=8))
+    tok = CharTokenizer()
+    for b in range(len(PROBLEMS)):
+        own = tok.decode(np.asarray(traj.ctx_tokens[0, b, 1])[np.asarray(traj.ctx_valid[0, b, 1])])
+        joint = tok.decode(np.asarray(traj.critic_ctx_tokens[0, b, 1])[np.asarray(traj.critic_ctx_valid[0, b, 1])])
+        assert "[proposer_a]" not in own
+        assert f"[proposer_a]: {texts.outputs[0][b][0]}" in joint
+        for i in (0, 2):        # agents whose parents are all the agents before them: the same state
+            np.testing.assert_array_equal(traj.critic_ctx_tokens[0, b, i], traj.ctx_tokens[0, b, i])
+            np.testing.assert_array_equal(traj.critic_ctx_valid[0, b, i], traj.ctx_valid[0, b, i])
+    for name in ("chain", "independent"):
+        roles2 = ("a", "b")
+        t2, _, _ = _play(_team(roles2, topo.named(name, roles2)), RolloutConfig(max_new_tokens=8))
+        assert t2.critic_ctx_tokens is None and t2.critic_ctx_valid is None

@@ -148,6 +148,9 @@ def rollout(
     if graph.num_agents != N:
         raise ValueError(f"the team graph has {graph.num_agents} agents, the team {N}")
     calls_made = 0
+    # agents whose critic state is the joint history, not their own context
+    joint = [i for i in range(N) if graph.critic_reads_all_earlier("chain") and graph.parents[i] != tuple(range(i))]
+    critic_ctx: dict[tuple[int, int, int], list[int]] = {}
     K = max(cfg.budget(i) for i in range(N))
     ctx: dict[tuple[int, int, int], list[int]] = {}
     act = np.zeros((S, B, N, K), np.int32)
@@ -204,6 +207,10 @@ def rollout(
                                      {j: outputs[s][b][j] for j in graph.parents[i]}, cfg, tokenizer))
                      for b in rows for i in layer]
             run(calls, s, agent_keys[layer[0]])
+        for b in rows:
+            for i in joint:
+                critic_ctx[(s, b, i)] = _context(team, problems[b], i, history[b],
+                                                 {j: outputs[s][b][j] for j in range(i)}, cfg, tokenizer)
 
         answers = graph.answer_agents
         transcripts = [Transcript(problems[b], tuple(outputs[s][b]), a) for b in rows for a in answers]
@@ -233,7 +240,8 @@ def rollout(
                     boot[(b, i)] = _context(team, problems[b], i, history[b], {}, cfg, tokenizer)
         active[rows[term | trunc]] = False
 
-    L = length_bucket(max([len(p) for p in ctx.values()] + [len(p) for p in boot.values()] + [1]),
+    L = length_bucket(max([len(p) for p in ctx.values()] + [len(p) for p in boot.values()]
+                          + [len(p) for p in critic_ctx.values()] + [1]),
                       minimum=cfg.min_context_bucket)
     pad = tokenizer.pad_id
     ctx_tokens = np.full((S, B, N, L), pad, np.int32)
@@ -246,6 +254,14 @@ def rollout(
     for (b, i), p in boot.items():
         boot_tokens[b, i, L - len(p):] = p
         boot_valid[b, i, L - len(p):] = True
+    critic_tokens = critic_valid = None
+    if joint:
+        critic_tokens, critic_valid = ctx_tokens.copy(), ctx_valid.copy()
+        for (s, b, a), p in critic_ctx.items():
+            critic_tokens[s, b, a] = pad
+            critic_valid[s, b, a] = False
+            critic_tokens[s, b, a, L - len(p):] = p
+            critic_valid[s, b, a, L - len(p):] = True
     act_valid = np.arange(K)[None, None, None, :] < act_len[..., None]
     act = np.where(act_valid, act, pad).astype(np.int32)
     traj = Trajectory(ctx_tokens=ctx_tokens, ctx_valid=ctx_valid, act_tokens=act, act_valid=act_valid,
@@ -253,7 +269,8 @@ def rollout(
                       truncated=truncated, score=score_arr, agent_score=agent_score,
                       boot_ctx_tokens=boot_tokens, boot_ctx_valid=boot_valid, budget_clipped=clipped,
                       policy_logp=policy_logp if has_policy_logp else None,
-                      entropy=entropy if has_policy_logp else None)
+                      entropy=entropy if has_policy_logp else None,
+                      critic_ctx_tokens=critic_tokens, critic_ctx_valid=critic_valid)
     traj.check()
     played = int(step_mask.any(-1).sum())
     return traj, RolloutTexts(outputs=outputs, infos=infos, sampler_calls=calls_made / max(played, 1))

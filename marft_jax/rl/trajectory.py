@@ -39,6 +39,11 @@ class Trajectory:
       policy_logp, entropy: ``[S, B, N, K]`` float32 or None, the sampler's log-probs and
         entropies under the policy itself (full vocabulary, training temperature), 0 after
         each response; PPO's old log-probs when present (no recompute forward).
+      critic_ctx_tokens, critic_ctx_valid: ``[S, B, N, L]`` or None, the centralized critic's
+        state at agent i when it differs from agent i's own context: the joint history
+        (outputs of agents 0 .. i-1 of the step) on a team graph that is not the chain
+        (:meth:`~marft_jax.rl.topology.Topology.critic_reads_all_earlier`); None = the
+        critic reads ``ctx_tokens``.
     """
 
     ctx_tokens: jax.Array
@@ -57,6 +62,8 @@ class Trajectory:
     budget_clipped: jax.Array
     policy_logp: jax.Array | None = None
     entropy: jax.Array | None = None
+    critic_ctx_tokens: jax.Array | None = None
+    critic_ctx_valid: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int, int, int, int]:
@@ -68,6 +75,9 @@ class Trajectory:
         """Assert the canonical layout of every field."""
         sizes = layout.assert_layout(self.ctx_tokens, "ctx_tokens", (*layout.ACTION_AXES, "ctx"))
         layout.assert_layout(self.ctx_valid, "ctx_valid", (*layout.ACTION_AXES, "ctx"), sizes=sizes)
+        for name in ("critic_ctx_tokens", "critic_ctx_valid"):
+            if getattr(self, name) is not None:
+                layout.assert_layout(getattr(self, name), name, (*layout.ACTION_AXES, "ctx"), sizes=sizes)
         sizes = layout.assert_layout(self.act_tokens, "act_tokens", layout.TOKEN_AXES, sizes=sizes)
         for name in ("act_valid", "sample_logp", "policy_logp", "entropy"):
             if getattr(self, name) is None:

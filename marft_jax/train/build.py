@@ -57,6 +57,11 @@ def build_team(cfg: Config) -> Team:
     graph = topology.resolve(cfg.team.graph, roles=prof.roles, answer_agent=answer, profile_parents=prof.parents,
                              num_agents=cfg.team.num_agents, mode=cfg.rollout.mode,
                              source=f"team.graph (profile {prof.name!r})")
+    if cfg.ppo.critic_lora and graph.critic_reads_all_earlier("chain"):
+        raise ConfigError(f"ppo.critic_lora is not supported with the team graph of profile {prof.name!r} "
+                          f"(team.graph={cfg.team.graph!r}): its critic reads the joint history, which the "
+                          "critic-LoRA update does not carry yet; use the chain or independent graph, or "
+                          "ppo.critic_lora=false")
     return Team(roles=prof.roles, system_prompts=prof.system_prompts, answer_agent=answer, topology=graph)
 
 

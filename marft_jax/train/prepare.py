@@ -110,7 +110,10 @@ def critic_features(base, critic: CriticParams, traj: Trajectory, *, cfg: ModelC
     holds the pass's ``valid_tokens`` and ``computed_tokens``.
     """
     S, B, N, L, K = traj.shape
-    ctx, cv = np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid)
+    if traj.critic_ctx_tokens is not None:   # the joint history (non-chain team graphs)
+        ctx, cv = np.asarray(traj.critic_ctx_tokens), np.asarray(traj.critic_ctx_valid)
+    else:
+        ctx, cv = np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid)
     act, av = np.asarray(traj.act_tokens), np.asarray(traj.act_valid)
     bt, bv = np.asarray(traj.boot_ctx_tokens), np.asarray(traj.boot_ctx_valid)
     flat = lambda x: x.reshape((-1,) + x.shape[3:])
@@ -165,6 +168,9 @@ def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Traj
     Returns the :class:`UpdateBatch` (device arrays) and host metrics (explained variance,
     sampler/trainer log-prob mismatch, mean value, token counts of the pass).
     """
+    if critic.lora is not None and traj.critic_ctx_tokens is not None:
+        raise ValueError("a critic LoRA (ppo.critic_lora) cannot train on a trajectory whose critic contexts "
+                         "differ from the policy contexts (a non-chain team graph)")
     shapes = shapes or PrepareShapes()
     token_level = acfg.level == "token"
     valid, computed = 0, 0
