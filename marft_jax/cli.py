@@ -87,6 +87,7 @@ def cmd_eval(args) -> int:
             state, extra = ckpt.restore(args.step, target_state=state)
             source = f"{ckpt.step_path(int(extra['iteration']))}"
             ckpt.close()
+        state = run.learner.place_state(state)
         problems = list(itertools.islice(run.task.problems("test", 0), args.problems))
         res = evaluate(run.learner, state, problems, temperature=args.temperature,
                        seeds=list(range(args.seeds)), batch_size=max(cfg.rollout.rows, 8))

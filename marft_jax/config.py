@@ -158,6 +158,27 @@ class TrainSection:
 
 
 @dataclass
+class MeshSection:
+    # A (data, fsdp, tensor) device mesh over all processes' devices; -1 = the devices the other
+    # axes leave (at most one axis). docs/many_devices.md has the placement table.
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    strict: bool = False                # a sharding rule that cannot apply raises (default: warns once)
+
+
+@dataclass
+class DistSection:
+    # jax.distributed start-up. auto: initialise where JAX detects a cluster (SLURM, TPU pod,
+    # Kubernetes, Open MPI) or where coordinator / JAX_COORDINATOR_ADDRESS is set; off: one process.
+    initialize: str = "auto"
+    coordinator: Optional[str] = None   # host:port of process 0 (env JAX_COORDINATOR_ADDRESS)
+    num_processes: Optional[int] = None  # env JAX_NUM_PROCESSES
+    process_id: Optional[int] = None    # env JAX_PROCESS_ID
+    timeout_s: int = 300                # how long processes wait for each other at start-up
+
+
+@dataclass
 class Config:
     preset: str = "default"
     model: ModelSection = field(default_factory=ModelSection)
@@ -169,6 +190,8 @@ class Config:
     ppo: PPOSection = field(default_factory=PPOSection)
     optim: OptimSection = field(default_factory=OptimSection)
     train: TrainSection = field(default_factory=TrainSection)
+    mesh: MeshSection = field(default_factory=MeshSection)
+    dist: DistSection = field(default_factory=DistSection)
 
     @property
     def gamma(self) -> float:
@@ -197,6 +220,7 @@ _CHOICES = {
     "ppo.logp_old": ("sampler", "recompute"),
     "ppo.agent_schedule": ("sequential", "concurrent", "interval"),
     "optim.schedule": ("constant", "cosine"),
+    "dist.initialize": ("auto", "on", "off"),
 }
 
 
@@ -289,6 +313,19 @@ def validate(cfg: Config) -> Config:
              f"compatible with rollout.mode={cfg.rollout.mode!r} (parallel is the independent graph; set "
              "team.graph alone)")
     need("task.level", 1 <= cfg.task.level <= 5, "in [1, 5]")
+    for key in ("mesh.data", "mesh.fsdp", "mesh.tensor"):
+        need(key, _get(cfg, key) == -1 or _get(cfg, key) >= 1, ">= 1, or -1 (the devices the other axes leave)")
+    rest = [k for k in ("mesh.data", "mesh.fsdp", "mesh.tensor") if _get(cfg, k) == -1]
+    if len(rest) > 1:
+        raise ConfigError(f"{' and '.join(rest)} are both -1: at most one mesh axis takes the remaining devices")
+    if cfg.dist.num_processes is not None:
+        need("dist.num_processes", cfg.dist.num_processes >= 1, ">= 1 or null")
+    if cfg.dist.process_id is not None:
+        need("dist.process_id", cfg.dist.process_id >= 0, ">= 0 or null")
+        if cfg.dist.num_processes is not None:
+            need("dist.process_id", cfg.dist.process_id < cfg.dist.num_processes,
+                 f"< dist.num_processes ({cfg.dist.num_processes})")
+    need("dist.timeout_s", cfg.dist.timeout_s >= 1, ">= 1")
     return cfg
 
 

@@ -17,7 +17,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from marft_jax.models import decoder
+from marft_jax.models import decoder, sharding
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.lora import LoraStack
 
@@ -148,7 +148,9 @@ def packed_action_logprobs_fn(params, lora, agent, rows, gather, act_tokens, act
     """
     chex.assert_equal_shape([act_tokens, act_valid, gather])
     flat = decoder.forward_packed(params, rows, cfg=cfg, lora=lora, agent=agent, remat=remat)
-    pred = jnp.take(flat, gather, axis=0)                         # [n, K, H]
+    # Keep the gathered states split over the data shards: the vocabulary head then runs on
+    # 1/D of the positions per device instead of all of them on every device.
+    pred = sharding.constrain_rows(jnp.take(flat, gather, axis=0))      # [n, K, H]
     logp, ent = chunked_logprobs(pred, decoder.lm_head(params, cfg), act_tokens, temperature, chunk)
     return jnp.where(act_valid, logp, 0.0), jnp.where(act_valid, ent, 0.0)
 

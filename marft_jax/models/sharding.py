@@ -2,13 +2,16 @@
 
 Every parameter leaf has a tuple of *logical* axis names (one table, :func:`logical_axes`);
 :class:`AxisRules` maps logical names to mesh axes (``data`` / ``fsdp`` / ``tensor``). A
-mesh axis is never used twice in one spec, and a dimension that the mesh axis does not divide
-is replicated instead (e.g. 3 kv heads over 2 tensor shards).
+mesh axis is never used twice in one spec. A dimension that its mesh axis does not divide (3 kv
+heads over 2 tensor shards), or whose axis an earlier dimension already uses, is replicated
+instead, never silently: a warning once per parameter says which and why, or, with
+``strict=True`` (config ``mesh.strict``), :class:`ShardingRuleError` is raised.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -18,6 +21,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from marft_jax.models.config import ModelConfig
 
 MESH_AXES = ("data", "fsdp", "tensor")
+
+
+class ShardingRuleError(ValueError):
+    """A logical-axis rule cannot apply to a parameter (strict mode)."""
+
+
+_warned: set[str] = set()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,33 +80,50 @@ def logical_axes(path: tuple[str, ...], ndim: int) -> tuple[str | None, ...]:
     return (None,) * ndim
 
 
-def to_pspec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, rules: AxisRules) -> P:
-    """PartitionSpec for one array; replicates dims a mesh axis does not divide."""
+def to_pspec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh, rules: AxisRules, *,
+             name: str | None = None, strict: bool = False) -> P:
+    """PartitionSpec for one array. A dimension whose rule cannot apply is replicated with a
+    warning (once per ``name``) or, when ``strict``, raises :class:`ShardingRuleError`."""
     used: set[str] = set()
-    spec = []
-    for name, dim in zip(logical, shape):
-        axis = getattr(rules, name) if name else None
+    spec, why = [], []
+    for logical_name, dim in zip(logical, shape):
+        axis = getattr(rules, logical_name) if logical_name else None
         axes = (axis,) if isinstance(axis, str) else tuple(axis or ())
         size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-        if not axes or size == 1 or dim % size or used & set(axes):
+        if not axes or size == 1:
+            spec.append(None)
+            continue
+        if dim % size or used & set(axes):
+            reason = (f"mesh axis {'/'.join(axes)} is already used by another dimension" if used & set(axes)
+                      else f"{dim} is not divisible by mesh {'x'.join(axes)}={size}")
+            why.append(f"dimension {logical_name!r} ({dim}) replicated: {reason}")
             spec.append(None)
             continue
         used |= set(axes)
         spec.append(axes[0] if len(axes) == 1 else axes)
+    if why:
+        label = name or f"array {tuple(shape)}"
+        msg = f"sharding rule for {label} cannot apply: " + "; ".join(why)
+        if strict:
+            raise ShardingRuleError(msg + " (mesh.strict=true)")
+        if label not in _warned:
+            _warned.add(label)
+            warnings.warn(msg, stacklevel=2)
     return P(*spec)
 
 
-def param_shardings(params: Any, mesh: Mesh, rules: AxisRules = AxisRules()) -> Any:
-    """NamedSharding for every leaf of a decoder parameter pytree."""
+def param_shardings(params: Any, mesh: Mesh, rules: AxisRules = AxisRules(), *, strict: bool = False) -> Any:
+    """NamedSharding for every leaf of a decoder parameter pytree (``strict``: see :func:`to_pspec`)."""
     def one(path, x):
         keys = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
-        return NamedSharding(mesh, to_pspec(logical_axes(keys, x.ndim), x.shape, mesh, rules))
+        return NamedSharding(mesh, to_pspec(logical_axes(keys, x.ndim), x.shape, mesh, rules,
+                                            name="/".join(keys), strict=strict))
     return jax.tree_util.tree_map_with_path(one, params)
 
 
-def shard_params(params: Any, mesh: Mesh, rules: AxisRules = AxisRules()) -> Any:
+def shard_params(params: Any, mesh: Mesh, rules: AxisRules = AxisRules(), *, strict: bool = False) -> Any:
     """Place parameters on ``mesh`` according to ``rules``."""
-    return jax.device_put(params, param_shardings(params, mesh, rules))
+    return jax.device_put(params, param_shardings(params, mesh, rules, strict=strict))
 
 
 def batch_sharding(mesh: Mesh, ndim: int, rules: AxisRules = AxisRules(), batch_axis: int = 0) -> NamedSharding:
@@ -112,3 +139,20 @@ def check_config_fits(cfg: ModelConfig, mesh: Mesh) -> None:
     t = mesh.shape["tensor"]
     if cfg.num_heads % t:
         raise ValueError(f"mesh tensor={t} does not divide num_attention_heads={cfg.num_heads}")
+
+
+def constrain_rows(x: jax.Array, axis: int = 0, rules: AxisRules = AxisRules()) -> jax.Array:
+    """Inside a ``jax.set_mesh`` context: ask XLA to keep ``x`` split over the batch mesh axes on
+    ``axis`` (where an index or gather would otherwise leave it replicated on every device).
+    A no-op without a context mesh, or where the axes do not divide the dimension."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    wanted = (rules.batch,) if isinstance(rules.batch, str) else tuple(rules.batch)
+    axes = tuple(a for a in wanted if a in mesh.axis_names and mesh.shape[a] > 1)
+    size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    if size == 1 or x.shape[axis] % size:
+        return x
+    spec = [None] * x.ndim
+    spec[axis] = axes if len(axes) > 1 else axes[0]
+    return jax.lax.with_sharding_constraint(x, P(*spec))

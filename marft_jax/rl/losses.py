@@ -327,7 +327,8 @@ def value_loss(
         v_clip = v_old + jnp.clip(v - v_old, -clip_eps, clip_eps)
         loss_clipped = h(ret - v_clip)
         per = jnp.maximum(loss_unclipped, loss_clipped)
-        clipped = (loss_clipped > loss_unclipped).astype(jnp.float32)
+        # Inside the clip range V_clip equals V up to rounding: count only points actually clipped.
+        clipped = ((jnp.abs(v - v_old) > clip_eps) & (loss_clipped > loss_unclipped)).astype(jnp.float32)
     total, count = masked_sum_count(per, mask)
     cf, _ = masked_sum_count(clipped, mask)
     return LossSums(loss=coef * total, count=count, metrics={"value_loss": total, "clip_frac": cf})

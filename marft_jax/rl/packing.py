@@ -174,6 +174,8 @@ class ShapePolicy:
     max_classes: int = 3
     class_gain: float = 0.05
     max_candidates: int = 24
+    # Every class's rows are a multiple of this (the data shards the rows are split over).
+    row_multiple: int = 1
     seen: list[Shape] = dataclasses.field(default_factory=list)
 
     def row_cost(self, rows: int, row_len: int) -> float:
@@ -264,7 +266,7 @@ class ShapePolicy:
         """The :data:`Shape` for packing every group of sequence lengths."""
         fresh = self._fresh(groups)
         limit = self.reuse_slack * self.cost(fresh)
-        fitting = [(self.cost(s), s) for s in self.seen if self.fits(groups, s)]
+        fitting = [(self.cost(s), s) for s in self.seen if self.fits(groups, s) and self._aligned(s)]
         if fitting and min(fitting)[0] <= limit:
             return min(fitting)[1]
         # A new program either way: prefer growing a seen shape's rows (it then holds the old
@@ -277,8 +279,13 @@ class ShapePolicy:
                 g = tuple((max(r, n), t) for (r, t), n in zip(s, need))
                 grown.append((self.cost(g), g))
         shape = min(grown)[1] if grown and min(grown)[0] <= limit else fresh
+        m = self.row_multiple
+        shape = tuple((-(-r // m) * m, t) for r, t in shape)
         self.seen.append(shape)
         return shape
+
+    def _aligned(self, shape: Shape) -> bool:
+        return all(r % self.row_multiple == 0 for r, _ in shape)
 
 
 def attention_cost_of(cfg) -> float:
@@ -344,6 +351,10 @@ def sequence(ctx_tokens: np.ndarray, ctx_valid: np.ndarray, act_tokens: np.ndarr
 
 # ----------------------------------------------------------------------------------------------
 # The update's groups: one per (epoch, minibatch, agent, micro-batch).
+
+
+# The row axis of UpdatePlan.rows ([E, M, N, u * R_c, T_c]): split over the data shards.
+UPDATE_ROWS_AXIS = 3
 
 
 @flax.struct.dataclass

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from marft_jax.models import logprobs as lp_lib
+from marft_jax.models import sharding
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.decoder import REMAT_AUTO_LEN, resolve_remat  # noqa: F401 (re-exported)
 from marft_jax.models.critic import CriticParams, critic_features_fn, value_head
@@ -271,7 +272,9 @@ def critic_update(base, cfg, ucfg, critic: CriticParams, critic_opt, mb: UpdateB
 
 
 def _take_rows(batch: UpdateBatch, idx: jax.Array) -> UpdateBatch:
-    return jax.tree.map(lambda x: jnp.take(x, idx, axis=layout.BATCH_AXIS), batch)
+    """The minibatch's rows, kept split over the data shards (under a context mesh)."""
+    return jax.tree.map(lambda x: sharding.constrain_rows(jnp.take(x, idx, axis=layout.BATCH_AXIS),
+                                                          layout.BATCH_AXIS), batch)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "ucfg"), donate_argnames=("state",))

@@ -563,6 +563,20 @@ class Sampler:
             raise ValueError(f"min_compact_batch must be >= 1, got {min_compact_batch}")
         self.min_compact_batch = int(min_compact_batch)
         self.totals = SamplerTotals()
+        # The run's placement (marft_jax.train.placement): prompt rows, and so the KV cache, are
+        # split over its row shards; None: the default device.
+        self.placement = None
+
+    def place_on(self, placement) -> None:
+        """Split the batch of every call over ``placement``'s row shards (a batch bucket the
+        shards do not divide stays replicated). Compaction never goes below the shard count."""
+        self.placement = placement
+        if placement is not None:
+            self.min_batch = max(self.min_batch, placement.row_shards)
+            self.min_compact_batch = max(self.min_compact_batch, placement.row_shards)
+
+    def _rows(self, x: np.ndarray) -> jax.Array:
+        return jnp.asarray(x) if self.placement is None else self.placement.rows(x, 0)
 
     def take_totals(self) -> SamplerTotals:
         """The :class:`SamplerTotals` since the last call, and start counting afresh."""
@@ -605,7 +619,7 @@ class Sampler:
         else:
             if len(agent) != n:
                 raise ValueError(f"agent has {len(agent)} entries for {n} prompts")
-            agent_arr = jnp.asarray(np.pad(np.asarray(agent, np.int32), (0, b - n)))
+            agent_arr = self._rows(np.pad(np.asarray(agent, np.int32), (0, b - n)))
         if lora is None:
             agent_arr = jnp.int32(0)
         ids = self.stop_ids if stop_ids is None else tuple(int(i) for i in stop_ids)
@@ -619,8 +633,8 @@ class Sampler:
         phases = decode_phases(length, max_new)
         t0 = time.perf_counter()
         with jax.profiler.TraceAnnotation("sampler/prefill"):
-            state = prefill(params, lora, jnp.asarray(batch.tokens), jnp.asarray(batch.valid),
-                            jnp.asarray(batch.active), agent_arr, stop, key, sampling, jnp.int32(limit),
+            state = prefill(params, lora, self._rows(batch.tokens), self._rows(batch.valid),
+                            self._rows(batch.active), agent_arr, stop, key, sampling, jnp.int32(limit),
                             jnp.int32(self.pad_id), cfg=self.cfg, max_new_tokens=max_new,
                             top_k_max=top_k_max, use_top_p=use_top_p, slots=length + phases[0])
             jax.block_until_ready(state.last)

@@ -6,23 +6,27 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 
+from marft_jax import distributed
 from marft_jax.config import Config, ConfigError
 from marft_jax.envs import profiles as profiles_lib
 from marft_jax.envs.chat import HFChatTokenizer
 from marft_jax.envs.scoring_pool import ScoringPool
 from marft_jax.envs.task import Task
 from marft_jax.models import attention as attention_lib
-from marft_jax.models import registry
+from marft_jax.models import registry, sharding
 from marft_jax.models.lora import LoraConfig
 from marft_jax.rl import topology
 from marft_jax.rl.rollout import RolloutConfig, Team
 from marft_jax.rl.update import UpdateConfig
 from marft_jax.sampling.sampler import Sampler, SamplingConfig
 from marft_jax.train.iteration import ScheduleConfig, TeamLearner
+from marft_jax.train.placement import Placement
 from marft_jax.train.prepare import AdvantageConfig
 from marft_jax.train.state import OptimConfig
+
 
 def build_task(cfg: Config) -> Task:
     """The task named by ``task.name`` (errors name the key)."""
@@ -129,16 +133,28 @@ def build_run(cfg: Config) -> Run:
         impl = attention_lib.resolve(cfg.model.attention, dtype=dtype)
     except attention_lib.AttentionUnavailable as e:
         raise ConfigError(str(e)) from None
+    plan = distributed.initialize(cfg.dist)
     model = registry.load_model(cfg.model.name, dtype=dtype)
     model = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, attention=impl))
+    placement = None
+    if jax.device_count() > 1:
+        mesh = distributed.build_mesh(cfg.mesh, model.cfg, rows=cfg.rollout.rows)
+        placement = Placement(mesh, strict=cfg.mesh.strict)
+        try:
+            model = dataclasses.replace(model, params=placement.base(model.params))
+        except sharding.ShardingRuleError as e:
+            raise ConfigError(str(e)) from None
+    print(distributed.describe_devices(None if placement is None else placement.mesh)
+          + ("" if plan.initialize else f" ({plan.why})"), flush=True)
     tok = HFChatTokenizer(model.tokenizer, stop_ids=model.stop_token_ids)
     pool = ScoringPool(task, workers=cfg.train.scoring_workers)
     updates = cfg.train.iterations * cfg.ppo.epochs * cfg.ppo.num_minibatches
     r = cfg.rollout
+    sampler = Sampler(model.cfg, pad_id=tok.pad_id, stop_ids=tok.stop_ids, max_prompt_len=r.context_window)
+    sampler.place_on(placement)
     learner = TeamLearner(
         cfg=model.cfg, base=model.params, tokenizer=tok,
-        sampler=Sampler(model.cfg, pad_id=tok.pad_id, stop_ids=tok.stop_ids,
-                        max_prompt_len=r.context_window),
+        sampler=sampler,
         team=team, score_fn=pool.score,
         rollout_cfg=RolloutConfig(mode=r.mode, horizon=r.horizon, max_steps=r.max_steps,
                                   max_new_tokens=(r.max_new_tokens if r.agent_max_new_tokens is None
@@ -157,5 +173,6 @@ def build_run(cfg: Config) -> Run:
         pack_sequences=cfg.ppo.pack_sequences,
         schedule=ScheduleConfig(agent_schedule=cfg.ppo.agent_schedule, interval=cfg.ppo.interval,
                                 interval_offset=cfg.ppo.interval_offset, critic_warmup=cfg.ppo.critic_warmup),
+        placement=placement,
     )
     return Run(config=cfg, model=model, tokenizer=tok, task=task, team=team, pool=pool, learner=learner)

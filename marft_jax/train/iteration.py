@@ -8,6 +8,7 @@ logging and evaluation around it, and tests drive it directly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from typing import Callable, Sequence
@@ -19,7 +20,7 @@ import numpy as np
 from marft_jax.envs.chat import ChatTokenizer
 from marft_jax.envs.task import Problem, Score, Transcript
 from marft_jax.models.config import ModelConfig
-from marft_jax.rl import packing
+from marft_jax.rl import layout, packing
 from marft_jax.rl import rollout as rollout_lib
 from marft_jax.rl.rollout import Generation, RolloutConfig, Team
 from marft_jax.rl.update import UpdateConfig, ppo_update
@@ -98,6 +99,8 @@ class TeamLearner:
     # Called as on_stage(stage name, seconds) after each stage (the trainer shows the first,
     # compiling iteration's progress with it); None: silent.
     on_stage: Callable[[str, float], None] | None = None
+    # The run's mesh placement (marft_jax.train.placement); None: one device, nothing placed.
+    placement: object | None = None
 
     def _report(self, stage: str, seconds: float) -> None:
         if self.on_stage is not None:
@@ -110,6 +113,9 @@ class TeamLearner:
             policy.attention_cost = cost * packing.FORWARD_ATTENTION_WEIGHT
             # Forward-only passes: length classes save little there and each new shape compiles.
             policy.max_classes = 1
+        if self.placement is not None:
+            for policy in (self.update_shapes, self.prepare_shapes.features, self.prepare_shapes.logprobs):
+                policy.row_multiple = self.placement.row_shards
 
     def play(self, state: TrainState, problems: Sequence[Problem], key, sampling: SamplingConfig | None = None,
              rollout_cfg: RolloutConfig | None = None):
@@ -158,18 +164,19 @@ class TeamLearner:
 
         t1 = time.perf_counter()
         keep_ctx = not self.pack_sequences or state.critic.lora is not None
-        with jax.profiler.TraceAnnotation("prepare"):
+        with jax.profiler.TraceAnnotation("prepare"), self.mesh_context():
             batch, prep = prepare_update_batch(self.base, state.lora, state.critic, traj, cfg=self.cfg,
                                                acfg=self.adv_cfg, shapes=self.prepare_shapes,
-                                               keep_contexts=keep_ctx)
+                                               keep_contexts=keep_ctx, placement=self.placement)
             jax.block_until_ready(batch.adv)
         timings["timing_s/values_logprobs_backup"] = time.perf_counter() - t1
         self._report("critic features + backup", timings["timing_s/values_logprobs_backup"])
 
         mask, train_policy = self.train_mask(iteration, env_samples)
         t2 = time.perf_counter()
-        with jax.profiler.TraceAnnotation("update"):
+        with jax.profiler.TraceAnnotation("update"), self.mesh_context():
             plan, pstats = self.update_plan(state, traj)
+            batch, plan = self.place_update(batch, plan)
             self.check_update_memory(state, batch, plan, mask, train_policy)
             state, upd = ppo_update(self.base, state, batch, jnp.asarray(mask), jnp.asarray(train_policy),
                                     cfg=self.cfg, ucfg=self.update_cfg, plan=plan)
@@ -275,6 +282,27 @@ class TeamLearner:
                                           micro_batches=u.micro_batches, policy=self.update_shapes,
                                           pad_id=self.tokenizer.pad_id)
         return jax.tree.map(jnp.asarray, plan), stats
+
+    def mesh_context(self):
+        """The run's mesh as JAX's context mesh (where :func:`~marft_jax.models.sharding.constrain_rows`
+        applies); a null context on one device."""
+        return contextlib.nullcontext() if self.placement is None else jax.set_mesh(self.placement.mesh)
+
+    def place_state(self, state: TrainState) -> TrainState:
+        """The train state (LoRA stack, critic, optimizer states, RNG) replicated on the mesh."""
+        return state if self.placement is None else self.placement.replicate(state)
+
+    def place_update(self, batch, plan):
+        """The update's inputs on the mesh: batch rows (and packed rows) split over the row
+        shards, minibatch permutations and gather tables replicated."""
+        p = self.placement
+        if p is None:
+            return batch, plan
+        batch = p.tree_rows(batch, layout.BATCH_AXIS)
+        if plan is not None:
+            plan = plan.replace(perms=p.replicate(plan.perms), gather=p.replicate(plan.gather),
+                                rows=p.tree_rows(plan.rows, packing.UPDATE_ROWS_AXIS))
+        return batch, plan
 
     def episode_metrics(self, traj) -> dict:
         """Accuracy, per-agent rewards and completion statistics of a trajectory."""

@@ -98,16 +98,26 @@ def _calls(rows: packing.PackedRows, per_call: int) -> packing.PackedRows:
     return jax.tree.map(lambda x: x.reshape((-1, per_call) + x.shape[1:]), rows)
 
 
-def _per_call(rows: int, row_len: int, tokens_per_call: int) -> int:
-    return max(1, min(rows, tokens_per_call // row_len))
+def _per_call(rows: int, row_len: int, tokens_per_call: int, multiple: int = 1) -> int:
+    """Rows per forward call: at most ``tokens_per_call`` slots, a multiple of ``multiple`` (the
+    data shards each call is split over)."""
+    per = max(1, min(rows, tokens_per_call // row_len))
+    return max(multiple, per // multiple * multiple)
 
 
-def critic_features(base, critic: CriticParams, traj: Trajectory, *, cfg: ModelConfig, token_level: bool,
-                    tokens_per_call: int, policy: packing.ShapePolicy) -> tuple[np.ndarray, np.ndarray, dict]:
-    """Packed critic features of every decision point and of the bootstrap contexts.
+def _place_rows(placement, tree, axis: int):
+    return jax.tree.map(jnp.asarray, tree) if placement is None else placement.tree_rows(tree, axis)
 
-    Returns ``(feats [S, B, N, H] or [S, B, N, K, H], boot_feats [B, N, H], stats)``; stats
-    holds the pass's ``valid_tokens`` and ``computed_tokens``.
+
+def feature_inputs(traj: Trajectory, *, token_level: bool, tokens_per_call: int, policy: packing.ShapePolicy,
+                   placement=None):
+    """The feature pass's packed inputs: ``(calls, gather, n_main, stats)``, one ``[C, r, T]``
+    :class:`~marft_jax.models.decoder.PackedRows` per length class (``C`` calls of ``r`` rows),
+    ``gather [G, P]`` flat read indices, the number of decision-point sequences (the bootstrap
+    contexts follow them) and the pass's token counts.
+
+    ``placement`` (:class:`~marft_jax.train.placement.Placement`): each call's rows are split
+    over its row shards (``policy.row_multiple`` keeps them divisible).
     """
     S, B, N, L, K = traj.shape
     if traj.critic_ctx_tokens is not None:   # the joint history (non-chain team graphs)
@@ -126,21 +136,39 @@ def critic_features(base, critic: CriticParams, traj: Trajectory, *, cfg: ModelC
     n_ctx = np.concatenate([flat(cv).sum(-1), bv.reshape(-1, L).sum(-1)])
     chosen = policy.choose([[len(x) for x in seqs]])
     # Each class runs in calls of at most tokens_per_call slots (its rows rounded up to whole calls).
-    shape = tuple((-(-r // _per_call(r, t, tokens_per_call)) * _per_call(r, t, tokens_per_call), t) for r, t in chosen)
+    m = policy.row_multiple
+    per_call = [_per_call(r, t, tokens_per_call, m) for r, t in chosen]
+    shape = tuple((-(-r // p) * p, t) for (r, t), p in zip(chosen, per_call))
     read = K if token_level else 1
     classes, gather = packing.pack_group(seqs, np.maximum(n_ctx - 1, 0), read, shape)
-    calls = tuple(_calls(jax.tree.map(jnp.asarray, rows), _per_call(r, t, tokens_per_call))
-                  for rows, (r, t) in zip(classes, chosen))
-    out = np.asarray(_packed_hidden_at(base, critic.lora, calls, jnp.asarray(gather), cfg=cfg))
+    calls = tuple(_place_rows(placement, _calls(rows, p), 1) for rows, p in zip(classes, per_call))
+    gather = jnp.asarray(gather) if placement is None else placement.replicate(gather)
+    stats = {"valid_tokens": int(sum(len(x) for x in seqs)), "computed_tokens": packing.shape_slots(shape)}
+    return calls, gather, n_main, stats
+
+
+def critic_features(base, critic: CriticParams, traj: Trajectory, *, cfg: ModelConfig, token_level: bool,
+                    tokens_per_call: int, policy: packing.ShapePolicy,
+                    placement=None) -> tuple[np.ndarray, np.ndarray, dict]:
+    """Packed critic features of every decision point and of the bootstrap contexts.
+
+    Returns ``(feats [S, B, N, H] or [S, B, N, K, H], boot_feats [B, N, H], stats)``; stats
+    holds the pass's ``valid_tokens`` and ``computed_tokens``. ``placement``: see
+    :func:`feature_inputs`.
+    """
+    S, B, N, L, K = traj.shape
+    calls, gather, n_main, stats = feature_inputs(traj, token_level=token_level, tokens_per_call=tokens_per_call,
+                                                  policy=policy, placement=placement)
+    out = np.asarray(_packed_hidden_at(base, critic.lora, calls, gather, cfg=cfg))
     feats = out[:n_main] if token_level else out[:n_main, 0]
     feats = feats.reshape((S, B, N) + feats.shape[1:])
     boot = out[n_main:, 0].reshape(B, N, -1)
-    stats = {"valid_tokens": int(sum(len(x) for x in seqs)), "computed_tokens": packing.shape_slots(shape)}
     return feats, boot, stats
 
 
 def recompute_logprobs(base, lora: LoraStack, traj: Trajectory, *, cfg: ModelConfig, temperature: float,
-                       chunk: int, policy: packing.ShapePolicy) -> tuple[np.ndarray, np.ndarray, dict]:
+                       chunk: int, policy: packing.ShapePolicy,
+                       placement=None) -> tuple[np.ndarray, np.ndarray, dict]:
     """The training forward's log-probs and entropies ``[S, B, N, K]`` of every action (packed)."""
     S, B, N, L, K = traj.shape
     perms = np.arange(B, dtype=np.int32)[None, None]
@@ -148,7 +176,7 @@ def recompute_logprobs(base, lora: LoraStack, traj: Trajectory, *, cfg: ModelCon
                                       np.asarray(traj.act_tokens), np.asarray(traj.act_valid), perms,
                                       micro_batches=1, policy=policy)
     per_agent = lambda x: jnp.asarray(np.moveaxis(np.asarray(x), 2, 0).reshape((N, S * B) + x.shape[3:]))
-    logp, ent = _packed_logprobs(base, lora, jax.tree.map(lambda x: jnp.asarray(x[0, 0]), plan.rows),
+    logp, ent = _packed_logprobs(base, lora, _place_rows(placement, jax.tree.map(lambda x: x[0, 0], plan.rows), 1),
                                  jnp.asarray(plan.gather[0, 0]), per_agent(traj.act_tokens),
                                  per_agent(traj.act_valid), temperature, cfg=cfg, chunk=chunk)
     back = lambda x: np.moveaxis(np.asarray(x).reshape(N, S, B, K), 0, 2)
@@ -157,7 +185,7 @@ def recompute_logprobs(base, lora: LoraStack, traj: Trajectory, *, cfg: ModelCon
 
 def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Trajectory, *,
                          cfg: ModelConfig, acfg: AdvantageConfig, shapes: PrepareShapes | None = None,
-                         keep_contexts: bool = False) -> tuple[UpdateBatch, dict]:
+                         keep_contexts: bool = False, placement=None) -> tuple[UpdateBatch, dict]:
     """Old log-probs, features and values, placed rewards, the backup.
 
     Args:
@@ -165,6 +193,8 @@ def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Traj
       keep_contexts: keep the padded contexts in the batch (the update's padded path, or a
         critic LoRA that recomputes its features); otherwise ``ctx_tokens``/``ctx_valid`` are None
         and the update reads packed rows.
+      placement: the run's :class:`~marft_jax.train.placement.Placement` (None: one device);
+        the forwards' packed rows are split over its row shards.
     Returns the :class:`UpdateBatch` (device arrays) and host metrics (explained variance,
     sampler/trainer log-prob mismatch, mean value, token counts of the pass).
     """
@@ -179,10 +209,11 @@ def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Traj
         logp, ent = np.asarray(traj.policy_logp), np.asarray(traj.entropy)
     else:
         logp, ent, st = recompute_logprobs(base, lora, traj, cfg=cfg, temperature=acfg.temperature,
-                                           chunk=acfg.chunk, policy=shapes.logprobs)
+                                           chunk=acfg.chunk, policy=shapes.logprobs, placement=placement)
         valid, computed = valid + st["valid_tokens"], computed + st["computed_tokens"]
     feats, boot_feats, st = critic_features(base, critic, traj, cfg=cfg, token_level=token_level,
-                                            tokens_per_call=acfg.tokens_per_call, policy=shapes.features)
+                                            tokens_per_call=acfg.tokens_per_call, policy=shapes.features,
+                                            placement=placement)
     valid, computed = valid + st["valid_tokens"], computed + st["computed_tokens"]
     value = np.asarray(value_head(critic.head, jnp.asarray(feats)))
     v_boot = np.where(np.asarray(traj.boot_ctx_valid).any(-1),

@@ -177,6 +177,7 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
         learner.context_bucket = int(extra.get("context_bucket", 0))
         learner.load_packed_shapes(extra.get("packed_shapes", {}))
         print(f"resumed from {ckpt.step_path(start)} (iteration {start})")
+    state = learner.place_state(state)
     writer = MetricsWriter(run_dir, tensorboard=True, resume_step=start if start else None)
     stream = ProblemStream(run.task, cfg.train.seed, position)
     eval_problems = list(itertools.islice(run.task.problems("test", 0), cfg.train.eval_problems))

@@ -1,0 +1,128 @@
+"""Start-up of the device world: ``jax.distributed`` across processes, the run's mesh, and what
+each process sees.
+
+Nothing here launches processes or moves data between them: every process runs the same
+command (SLURM ``srun``, a TPU pod's ``--worker=all``, or one command per host), JAX connects
+them (:func:`initialize`), and XLA does every collective from the shardings that
+:mod:`marft_jax.models.sharding` and :mod:`marft_jax.train.placement` give the arrays.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import jax
+from jax.sharding import Mesh
+
+from marft_jax.config import ConfigError, DistSection, MeshSection
+from marft_jax.models import sharding
+from marft_jax.models.config import ModelConfig
+
+# Environment markers of the clusters jax.distributed detects by itself, with more than one
+# process (one SLURM task or a single TPU VM is a one-process run and needs no coordinator).
+_CLUSTER_MARKERS = {
+    "SLURM": lambda env: int(env.get("SLURM_NTASKS", env.get("SLURM_NPROCS", "1")) or 1) > 1
+    and "SLURM_JOB_ID" in env,
+    "Open MPI": lambda env: int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1,
+    "TPU pod slice": lambda env: "," in env.get("TPU_WORKER_HOSTNAMES", "")
+    or "MEGASCALE_COORDINATOR_ADDRESS" in env,
+    "Kubernetes JobSet": lambda env: "KUBERNETES_SERVICE_HOST" in env and "JOBSET_NAME" in env,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class DistPlan:
+    """What :func:`initialize` will do: ``why`` says it in words (logged)."""
+
+    initialize: bool
+    why: str
+    coordinator: str | None = None
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+def plan_initialize(dist: DistSection, env: dict | None = None) -> DistPlan:
+    """Decide whether and how to call ``jax.distributed.initialize`` (pure: reads ``env``)."""
+    env = dict(os.environ if env is None else env)
+    coordinator = dist.coordinator or env.get("JAX_COORDINATOR_ADDRESS")
+    num = dist.num_processes if dist.num_processes is not None else _int_env(env, "JAX_NUM_PROCESSES")
+    pid = dist.process_id if dist.process_id is not None else _int_env(env, "JAX_PROCESS_ID")
+    if dist.initialize == "off":
+        return DistPlan(False, "dist.initialize=off: one process")
+    if coordinator is not None:
+        if ":" not in coordinator:
+            raise ConfigError(f"dist.coordinator={coordinator!r}: must be host:port")
+        return DistPlan(True, f"coordinator {coordinator}", coordinator, num, pid)
+    found = [name for name, present in _CLUSTER_MARKERS.items() if present(env)]
+    if dist.initialize == "on" or found:
+        why = f"detected {found[0]}" if found else "dist.initialize=on"
+        return DistPlan(True, why, None, num, pid)
+    return DistPlan(False, "no coordinator and no multi-process cluster detected: one process")
+
+
+def _int_env(env: dict, name: str) -> int | None:
+    v = env.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ConfigError(f"environment variable {name}={v!r}: must be an integer") from None
+
+
+def initialize(dist: DistSection) -> DistPlan:
+    """Connect this process to the others when the plan says so (once per process)."""
+    plan = plan_initialize(dist)
+    if plan.initialize and not jax.distributed.is_initialized():
+        jax.distributed.initialize(coordinator_address=plan.coordinator, num_processes=plan.num_processes,
+                                   process_id=plan.process_id, initialization_timeout=dist.timeout_s)
+    return plan
+
+
+def mesh_shape(mesh_cfg: MeshSection, num_devices: int) -> tuple[int, int, int]:
+    """``(data, fsdp, tensor)`` with the ``-1`` axis resolved; errors name the ``mesh.*`` keys."""
+    axes = {"mesh.data": mesh_cfg.data, "mesh.fsdp": mesh_cfg.fsdp, "mesh.tensor": mesh_cfg.tensor}
+    fixed = 1
+    for v in axes.values():
+        fixed *= v if v != -1 else 1
+    rest = [k for k, v in axes.items() if v == -1]
+    if rest:
+        if num_devices % fixed:
+            others = ", ".join(f"{k}={v}" for k, v in axes.items() if v != -1)
+            raise ConfigError(f"{rest[0]}=-1: {num_devices} devices are not divisible by {others} "
+                              f"(product {fixed})")
+        axes[rest[0]] = num_devices // fixed
+    shape = (axes["mesh.data"], axes["mesh.fsdp"], axes["mesh.tensor"])
+    if shape[0] * shape[1] * shape[2] != num_devices:
+        raise ConfigError(f"mesh.data={shape[0]} x mesh.fsdp={shape[1]} x mesh.tensor={shape[2]} = "
+                          f"{shape[0] * shape[1] * shape[2]} devices, but the run has {num_devices} "
+                          f"({jax.process_count()} process(es)); set one axis to -1")
+    return shape
+
+
+def build_mesh(mesh_cfg: MeshSection, model: ModelConfig, *, rows: int, devices=None) -> Mesh:
+    """The run's mesh over ``devices`` (default: every process's devices), checked against the
+    model (``mesh.tensor`` divides the query heads) and the batch (``data * fsdp`` divides
+    ``rollout.rows``: each device holds whole problem rows)."""
+    devices = list(jax.devices() if devices is None else devices)
+    data, fsdp, tensor = mesh_shape(mesh_cfg, len(devices))
+    if model.num_heads % tensor:
+        raise ConfigError(f"mesh.tensor={tensor} does not divide the model's {model.num_heads} attention heads")
+    if rows % (data * fsdp):
+        raise ConfigError(f"rollout.rows={rows} is not divisible by mesh.data x mesh.fsdp = {data * fsdp} "
+                          "(the rows are split over those axes)")
+    return sharding.make_mesh(data, fsdp, tensor, devices=devices)
+
+
+def describe_devices(mesh: Mesh | None = None) -> str:
+    """One line: this process, its host, its devices, and the mesh (logged by every process)."""
+    local = jax.local_devices()
+    kinds = sorted({d.device_kind for d in local})
+    line = (f"process {jax.process_index()}/{jax.process_count()} on {socket.gethostname()}: "
+            f"{len(local)} local {'/'.join(kinds)} device(s) [{', '.join(str(d.id) for d in local)}] "
+            f"of {jax.device_count()}")
+    if mesh is not None:
+        line += f"; mesh {dict(mesh.shape)}"
+    return line
