@@ -224,12 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(fn=cmd_generate)
 
-    b = sub.add_parser("bench", help="benchmarks printing JSON (sampler, backups, update, iteration)",
+    b = sub.add_parser("bench", help="benchmarks printing JSON (sampler, backups, update, iteration, scaling)",
                        description="Run a benchmark; arguments after the name go to it (try `bench sampler --help`). "
                                    "`iteration`: one whole training iteration, ours vs the reference pipeline. "
+                                   "`scaling --devices D`: per-device compiled FLOPs on D simulated CPU devices. "
                                    "`--profile DIR` (after the name) writes a jax.profiler trace of the run "
                                    "(of our measured iteration for `iteration`).")
-    b.add_argument("which", choices=["sampler", "backups", "update", "iteration"])
+    b.add_argument("which", choices=["sampler", "backups", "update", "iteration", "scaling"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
 

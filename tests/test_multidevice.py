@@ -91,15 +91,15 @@ def _spec(parts):
 
 @pytest.mark.multidevice
 def test_bench_scaling_splits_every_stage_over_a_data_mesh():
-    out = _run(["-m", "marft_jax.bench.scaling", "--devices", "4", "--rows", "32", "--ctx", "64",
-                "--act", "16"], devices=1)
+    out = _run(["-m", "marft_jax.bench.scaling", "--devices", "2", "--rows", "16", "--ctx", "48",
+                "--act", "8"], devices=1)
     assert out.returncode == 0, out.stderr[-4000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
-    assert report["devices"] == 4 and report["mesh"] == {"data": 4, "fsdp": 1, "tensor": 1}
+    assert report["devices"] == 2 and report["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
     assert set(report["stages"]) == {"features", "update", "sampler_prefill", "sampler_decode"}
     for name, st in report["stages"].items():
         assert st["flops_1_device"] > 0
-        assert st["ratio"] <= 1.2 / 4, (name, st)
+        assert st["ratio"] <= 1.2 / 2, (name, st)
 
 
 def test_mesh_shape_resolves_the_rest_and_names_the_keys():

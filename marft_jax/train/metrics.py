@@ -173,10 +173,17 @@ class MetricsWriter:
       tensorboard: also write tensorboardX event files under ``<run_dir>/tb``.
       resume_step: the step of the checkpoint being resumed; records with a larger step are
         removed from ``metrics.jsonl`` (rewritten atomically) and purged in TensorBoard.
+      enabled: False on every process but process 0 of a multi-process run: records are built
+        and returned, nothing is written.
     """
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_step: int | None = None):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_step: int | None = None,
+                 enabled: bool = True):
         self.run_dir = Path(run_dir)
+        self.enabled = enabled
+        self._f, self._tb = None, None
+        if not enabled:
+            return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / METRICS_FILE
         if resume_step is not None:
@@ -211,6 +218,8 @@ class MetricsWriter:
             if k in ("step", "time"):
                 raise ValueError(f"metric name {k!r} is reserved")
             rec[str(k)] = _to_python(v)
+        if not self.enabled:
+            return rec
         self._f.write(json.dumps({k: _encode(v) for k, v in rec.items()}, sort_keys=True, allow_nan=False) + "\n")
         self._f.flush()
         if self._tb is not None:
@@ -222,7 +231,7 @@ class MetricsWriter:
         return rec
 
     def close(self) -> None:
-        if not self._f.closed:
+        if self._f is not None and not self._f.closed:
             self._f.close()
         if self._tb is not None:
             self._tb.close()

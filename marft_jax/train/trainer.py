@@ -105,6 +105,8 @@ def _eval_and_save(run: Run, state: TrainState, problems, cfg: Config, run_dir: 
     res = evaluate(run.learner, state, problems, seeds=list(seeds),
                    temperature=cfg.train.eval_temperature if temperature is None else temperature,
                    batch_size=cfg.train.eval_batch_size)
+    if not is_primary():
+        return res
     # eval/before.json and eval/after.json feed `marft-jax table`; periodic ones stay apart.
     out = run_dir / "eval" if tag in ("before", "after") else run_dir / "eval" / "periodic"
     out.mkdir(parents=True, exist_ok=True)
@@ -116,6 +118,11 @@ def _eval_and_save(run: Run, state: TrainState, problems, cfg: Config, run_dir: 
            **fields, "seeds": res.team, **res.summary(), "examples": res.examples}
     (out / f"{tag}.json").write_text(json.dumps(doc, indent=2, default=str))
     return res
+
+
+def is_primary() -> bool:
+    """Process 0 writes logs, evaluations, plots and summaries (every process computes them)."""
+    return jax.process_index() == 0
 
 
 def method_fields(cfg: Config) -> dict:
@@ -149,15 +156,15 @@ def train(cfg: Config, *, resume: bool = True, stop_after: int | None = None) ->
       stop_after: stop after this many iterations of *this* invocation (tests simulate a kill).
     """
     run_dir = run_dir_for(cfg)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    cfg_text = to_yaml(cfg)
-    cfg_file = run_dir / "config.yaml"
-    if cfg_file.exists() and cfg_file.read_text() != cfg_text:
-        cfg_file = run_dir / f"config-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.yaml"
-    cfg_file.write_text(cfg_text)
-
-    run = build_run(cfg)
+    run = build_run(cfg)                  # starts jax.distributed first where the run has processes
     try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if is_primary():
+            cfg_text = to_yaml(cfg)
+            cfg_file = run_dir / "config.yaml"
+            if cfg_file.exists() and cfg_file.read_text() != cfg_text:
+                cfg_file = run_dir / f"config-{dt.datetime.now().strftime('%Y%m%d-%H%M%S')}.yaml"
+            cfg_file.write_text(cfg_text)
         return _train(cfg, run, run_dir, resume, stop_after)
     finally:
         run.close()
@@ -178,7 +185,7 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
         learner.load_packed_shapes(extra.get("packed_shapes", {}))
         print(f"resumed from {ckpt.step_path(start)} (iteration {start})")
     state = learner.place_state(state)
-    writer = MetricsWriter(run_dir, tensorboard=True, resume_step=start if start else None)
+    writer = MetricsWriter(run_dir, tensorboard=True, resume_step=start if start else None, enabled=is_primary())
     stream = ProblemStream(run.task, cfg.train.seed, position)
     eval_problems = list(itertools.islice(run.task.problems("test", 0), cfg.train.eval_problems))
     if not eval_problems:
@@ -260,6 +267,8 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
         writer.write(it, {"eval/accuracy": res.mean})
     writer.close()
     ckpt.close()
+    if not is_primary():
+        return summary
     try:
         from marft_jax.train.plot import plot_run
 
