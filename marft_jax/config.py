@@ -176,6 +176,7 @@ class DistSection:
     num_processes: Optional[int] = None  # env JAX_NUM_PROCESSES
     process_id: Optional[int] = None    # env JAX_PROCESS_ID
     timeout_s: int = 300                # how long processes wait for each other at start-up
+    heartbeat_timeout_s: int = 100      # a process silent this long is dead: the others exit with an error
 
 
 @dataclass
@@ -326,6 +327,7 @@ def validate(cfg: Config) -> Config:
             need("dist.process_id", cfg.dist.process_id < cfg.dist.num_processes,
                  f"< dist.num_processes ({cfg.dist.num_processes})")
     need("dist.timeout_s", cfg.dist.timeout_s >= 1, ">= 1")
+    need("dist.heartbeat_timeout_s", cfg.dist.heartbeat_timeout_s >= 1, ">= 1")
     return cfg
 
 

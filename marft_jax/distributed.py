@@ -77,7 +77,8 @@ def initialize(dist: DistSection) -> DistPlan:
     plan = plan_initialize(dist)
     if plan.initialize and not jax.distributed.is_initialized():
         jax.distributed.initialize(coordinator_address=plan.coordinator, num_processes=plan.num_processes,
-                                   process_id=plan.process_id, initialization_timeout=dist.timeout_s)
+                                   process_id=plan.process_id, initialization_timeout=dist.timeout_s,
+                                   heartbeat_timeout_seconds=dist.heartbeat_timeout_s)
     return plan
 
 

@@ -190,3 +190,77 @@ def test_a_rule_that_cannot_apply_warns_once_or_raises_when_strict():
                           name="layers/v_proj/kernel", strict=True)
     assert sharding.to_pspec(("layer", "embed", "heads"), (2, 8, 4), mesh, sharding.AxisRules()) == \
         jax.sharding.PartitionSpec(None, None, None)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _two_processes(args: list[str], timeout: float) -> list[tuple[int | None, str]]:
+    """Run ``python args`` as jax.distributed processes 0 and 1 on localhost (1 CPU device each);
+    kill what is left after ``timeout`` seconds. Returns (exit code or None if killed, log)."""
+    import tempfile
+    import time
+
+    port = _free_port()
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2")
+    env.pop("XLA_FLAGS", None)
+    logs = [tempfile.TemporaryFile("w+") for _ in range(2)]
+    procs = [subprocess.Popen([sys.executable, *[a.format(process=i, port=port) for a in args]],
+                              env=dict(env, JAX_PROCESS_ID=str(i)), cwd=ROOT, stdout=logs[i],
+                              stderr=subprocess.STDOUT, text=True) for i in range(2)]
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(1.0, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            codes.append(None)
+    out = []
+    for code, f in zip(codes, logs):
+        f.seek(0)
+        out.append((code, f.read()))
+        f.close()
+    return out
+
+
+@pytest.mark.multidevice
+def test_two_processes_on_localhost_give_the_single_device_iteration(iteration_dumps, tiny_dir):
+    out, _ = iteration_dumps
+    runs = _two_processes(["-m", "tests.multidevice_iteration", str(out), str(tiny_dir), "2,1,1"], timeout=600)
+    for i, (code, log) in enumerate(runs):
+        assert code == 0, f"process {i} (exit {code}):\n{log[-4000:]}"
+        assert f"process {i}/2 on" in log and "mesh {'data': 2, 'fsdp': 1, 'tensor': 1}" in log
+    one = np.load(out / "1.npz")
+    m1 = json.loads(str(one["metrics"]))
+    for i in range(2):
+        got = np.load(out / f"2_1_1.p{i}.npz")
+        assert int(got["processes"]) == 2 and int(got["devices"]) == 2
+        m = json.loads(str(got["metrics"]))
+        for k in m1:
+            assert abs(m1[k] - m[k]) <= 1e-5 * max(1.0, abs(m1[k])), (i, k, m1[k], m[k])
+        assert str(got["outputs"]) == str(one["outputs"])
+        np.testing.assert_array_equal(got["greedy_tokens"], one["greedy_tokens"])
+        for k in one.files:
+            if k.startswith(("lora", "critic")):
+                np.testing.assert_allclose(got[k], one[k], atol=1e-5, rtol=0, err_msg=k)
+
+
+@pytest.mark.multidevice
+def test_when_one_process_dies_the_other_stops_with_an_error():
+    import time
+
+    t0 = time.monotonic()
+    runs = _two_processes(["-m", "tests.multiprocess_peer_death", "{process}", "{port}"], timeout=90)
+    (code0, log0), (code1, log1) = runs
+    assert "process 1 started" in log1 and code1 == 0
+    assert code0 not in (0, None), f"process 0 did not fail (exit {code0}):\n{log0[-3000:]}"
+    assert "never noticed" not in log0
+    assert "another task died" in log0 or "heartbeat timeout" in log0, log0[-3000:]
+    assert time.monotonic() - t0 < 90

@@ -156,3 +156,16 @@ def constrain_rows(x: jax.Array, axis: int = 0, rules: AxisRules = AxisRules()) 
     spec = [None] * x.ndim
     spec[axis] = axes if len(axes) > 1 else axes[0]
     return jax.lax.with_sharding_constraint(x, P(*spec))
+
+
+def to_host(tree: Any) -> Any:
+    """Every leaf of ``tree`` as a whole NumPy array on this host. A leaf split over devices of
+    other processes is gathered from them (``process_allgather``: every process must call this
+    together); a local or fully replicated leaf is read directly."""
+    def one(x):
+        if not isinstance(x, jax.Array) or x.is_fully_addressable or x.is_fully_replicated:
+            return np.asarray(jax.device_get(x))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return jax.tree.map(one, tree)

@@ -88,6 +88,14 @@ class SamplingParams:
     @classmethod
     def make(cls, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
              policy_temperature: float = 1.0) -> "SamplingParams":
+        cls.validate(temperature, top_k, top_p, policy_temperature)
+        return cls(temperature=jnp.float32(temperature), top_k=jnp.int32(top_k), top_p=jnp.float32(top_p),
+                   policy_temperature=jnp.float32(policy_temperature))
+
+    @staticmethod
+    def validate(temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                 policy_temperature: float = 1.0) -> None:
+        """Range checks only (no arrays: safe at import time, before ``jax.distributed``)."""
         if temperature < 0:
             raise ValueError(f"sampling.temperature must be >= 0, got {temperature}")
         if top_k < 0:
@@ -96,8 +104,6 @@ class SamplingParams:
             raise ValueError(f"sampling.top_p must be in (0, 1], got {top_p}")
         if not policy_temperature > 0:
             raise ValueError(f"policy_temperature must be > 0, got {policy_temperature}")
-        return cls(temperature=jnp.float32(temperature), top_k=jnp.int32(top_k), top_p=jnp.float32(top_p),
-                   policy_temperature=jnp.float32(policy_temperature))
 
 
 def top_k_bucket(top_k: int, vocab_size: int) -> int:
@@ -497,7 +503,7 @@ class SamplingConfig:
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"sampling.max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        SamplingParams.make(self.temperature, self.top_k, self.top_p)  # validates
+        SamplingParams.validate(self.temperature, self.top_k, self.top_p)
 
 
 def stop_id_array(ids: Sequence[int], minimum: int = 8) -> np.ndarray:
@@ -575,6 +581,13 @@ class Sampler:
             self.min_batch = max(self.min_batch, placement.row_shards)
             self.min_compact_batch = max(self.min_compact_batch, placement.row_shards)
 
+    def _host(self, tree):
+        if self.placement is None:
+            return jax.device_get(tree)
+        from marft_jax.models.sharding import to_host
+
+        return to_host(tree)
+
     def _rows(self, x: np.ndarray) -> jax.Array:
         return jnp.asarray(x) if self.placement is None else self.placement.rows(x, 0)
 
@@ -643,7 +656,7 @@ class Sampler:
         with jax.profiler.TraceAnnotation("sampler/decode"):
             state = self._decode_phases(params, lora, state, length, phases, limit, top_k_max, use_top_p,
                                         weight_bytes)
-            res = jax.device_get(result_of(state))
+            res = self._host(result_of(state))
         tot = self.totals
         tot.calls += 1
         tot.prefill_s += t1 - t0
@@ -668,7 +681,7 @@ class Sampler:
             state = decode(params, lora, state, jnp.int32(floor), cfg=self.cfg, top_k_max=top_k_max,
                            use_top_p=use_top_p)
             step, done, index = (int(x) if np.ndim(x) == 0 else x
-                                 for x in jax.device_get((state.step, state.done, state.cache.index)))
+                                 for x in self._host((state.step, state.done, state.cache.index)))
             cache = state.cache
             self.totals.decode_row_steps += rows * (step - before)
             self.totals.decode_bytes += (step - before) * (weight_bytes + cache.k.nbytes + cache.v.nbytes)

@@ -126,6 +126,7 @@ class Run:
 
 def build_run(cfg: Config) -> Run:
     """Load the model and build the task, team, scorer and learner for ``cfg``."""
+    plan = distributed.initialize(cfg.dist)    # before anything that starts the XLA backend
     team = build_team(cfg)
     task = build_task(cfg)
     dtype = model_dtype(cfg)
@@ -133,7 +134,6 @@ def build_run(cfg: Config) -> Run:
         impl = attention_lib.resolve(cfg.model.attention, dtype=dtype)
     except attention_lib.AttentionUnavailable as e:
         raise ConfigError(str(e)) from None
-    plan = distributed.initialize(cfg.dist)
     model = registry.load_model(cfg.model.name, dtype=dtype)
     model = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, attention=impl))
     placement = None

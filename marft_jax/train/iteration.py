@@ -28,6 +28,7 @@ from marft_jax.sampling.sampler import Sampler, SamplingConfig
 from marft_jax.train import memory_plan
 from marft_jax.train import metrics as metrics_lib
 from marft_jax.train.compile_count import CompileCounter, compile_metrics
+from marft_jax.models.sharding import to_host
 from marft_jax.train.prepare import AdvantageConfig, PrepareShapes, prepare_update_batch
 from marft_jax.train.state import TrainState
 
@@ -190,7 +191,7 @@ class TeamLearner:
         metrics.update(self.episode_metrics(traj))
         metrics["rollout/sampler_calls"] = texts.sampler_calls
         roles = self.team.roles
-        upd = jax.device_get(upd)
+        upd = to_host(upd)
         for name, values in upd["actor"].items():
             for i, role in enumerate(roles):
                 metrics[f"actor/{role}/{name}"] = float(values[i])

@@ -24,6 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from marft_jax.models import sharding
+from marft_jax.models.sharding import to_host  # noqa: F401 (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)

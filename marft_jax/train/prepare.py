@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marft_jax.models import decoder
+from marft_jax.models import decoder, sharding
 from marft_jax.models import logprobs as lp_lib
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.critic import CriticParams, value_head
@@ -105,6 +105,11 @@ def _per_call(rows: int, row_len: int, tokens_per_call: int, multiple: int = 1) 
     return max(multiple, per // multiple * multiple)
 
 
+def _host(x) -> np.ndarray:
+    """A device result on this host (gathered from other processes' devices where split)."""
+    return sharding.to_host(x)
+
+
 def _place_rows(placement, tree, axis: int):
     return jax.tree.map(jnp.asarray, tree) if placement is None else placement.tree_rows(tree, axis)
 
@@ -159,7 +164,7 @@ def critic_features(base, critic: CriticParams, traj: Trajectory, *, cfg: ModelC
     S, B, N, L, K = traj.shape
     calls, gather, n_main, stats = feature_inputs(traj, token_level=token_level, tokens_per_call=tokens_per_call,
                                                   policy=policy, placement=placement)
-    out = np.asarray(_packed_hidden_at(base, critic.lora, calls, gather, cfg=cfg))
+    out = _host(_packed_hidden_at(base, critic.lora, calls, gather, cfg=cfg))
     feats = out[:n_main] if token_level else out[:n_main, 0]
     feats = feats.reshape((S, B, N) + feats.shape[1:])
     boot = out[n_main:, 0].reshape(B, N, -1)
@@ -179,7 +184,7 @@ def recompute_logprobs(base, lora: LoraStack, traj: Trajectory, *, cfg: ModelCon
     logp, ent = _packed_logprobs(base, lora, _place_rows(placement, jax.tree.map(lambda x: x[0, 0], plan.rows), 1),
                                  jnp.asarray(plan.gather[0, 0]), per_agent(traj.act_tokens),
                                  per_agent(traj.act_valid), temperature, cfg=cfg, chunk=chunk)
-    back = lambda x: np.moveaxis(np.asarray(x).reshape(N, S, B, K), 0, 2)
+    back = lambda x: np.moveaxis(_host(x).reshape(N, S, B, K), 0, 2)
     return back(logp), back(ent), stats
 
 
