@@ -13,6 +13,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 
 from marft_jax.models.config import ModelConfig
@@ -90,16 +91,18 @@ def test_round_trip_bit_identical(tmp_path, states):
         # An abstract target (no memory for a second copy) restores the same bits.
         out2, _ = mgr.restore(5, target_state=_abstract())
         _assert_bit_identical(st, out2)
-    # Only the trainable state: the step dir holds the state, extra, meta and the manifest.
+    # Only the trainable state: the step dir holds orbax's three items and our manifest (and
+    # orbax's own step metadata / commit marker).
     step_dir = tmp_path / "ckpt" / "step_00000005"
-    assert sorted(p.name for p in step_dir.iterdir()) == sorted(
-        [ck.STATE_DIR, ck.EXTRA_FILE, ck.META_FILE, ck.MANIFEST_FILE])
+    names = {p.name for p in step_dir.iterdir()}
+    assert {*ck.ITEMS, ck.MANIFEST_FILE} <= names and not names - {*ck.ITEMS, ck.MANIFEST_FILE,
+                                                                  "_CHECKPOINT_METADATA", "commit_success.txt"}
     manifest = json.loads((step_dir / ck.MANIFEST_FILE).read_text())
-    assert "extra.json" in manifest["files"] and any(f.startswith("state/") for f in manifest["files"])
+    assert "extra/metadata" in manifest["files"] and any(f.startswith("state/") for f in manifest["files"])
 
 
 def test_async_save_is_atomic_and_wait_commits(tmp_path, states, monkeypatch):
-    """orbax writes ``state`` into a tmp dir then renames; our step dir appears only after the
+    """orbax writes the step into a ``*.orbax-checkpoint-tmp`` dir and renames it after our
     manifest, so a reader never sees an uncommitted step."""
     gate, entered = threading.Event(), threading.Event()
     real = ck.write_manifest
@@ -115,9 +118,9 @@ def test_async_save_is_atomic_and_wait_commits(tmp_path, states, monkeypatch):
     assert entered.wait(30)
     names = [p.name for p in tmp_path.iterdir()]
     assert mgr.all_steps() == [] and mgr.latest_step() is None
-    assert len(names) == 1 and names[0].startswith(".tmp-step_00000001-")
-    # orbax has committed its own tmp dir (state.orbax-checkpoint-tmp -> state) by now.
-    assert [p.name for p in (tmp_path / names[0]).iterdir() if p.is_dir()] == [ck.STATE_DIR]
+    assert len(names) == 1 and names[0].startswith("step_00000001.orbax-checkpoint-tmp"), names
+    # Every item is complete by now (orbax renamed each item's own tmp dir).
+    assert {p.name for p in (tmp_path / names[0]).iterdir() if p.is_dir()} == set(ck.ITEMS)
     gate.set()
     mgr.wait()
     assert mgr.all_steps() == [1] and [p.name for p in tmp_path.iterdir()] == ["step_00000001"]
@@ -166,8 +169,8 @@ def test_corrupt_file_refused_kept_and_fallback(tmp_path, states):
     _assert_bit_identical(states[4], out)
     assert extra == {"s": "new"}
     # A deleted file is named too.
-    (tmp_path / "step_00000002" / ck.EXTRA_FILE).unlink()
-    with pytest.raises(CheckpointCorruptError, match="extra.json.*missing"):
+    (tmp_path / "step_00000002" / ck.EXTRA_ITEM / "metadata").unlink()
+    with pytest.raises(CheckpointCorruptError, match="extra/metadata.*missing"):
         mgr.restore(2, target_state=_abstract())
     out, _ = mgr.restore(1, target_state=_abstract())
     _assert_bit_identical(states[1], out)
@@ -203,8 +206,11 @@ def test_disk_full_keeps_previous_checkpoints(tmp_path, states, monkeypatch, whe
     mgr = CheckpointManager(tmp_path, keep_last=1, async_save=(where == "async"))
     assert mgr.save(1, states[0], {"s": 1})
     mgr.wait()
-    if where == "orbax":
-        monkeypatch.setattr(type(mgr._ckptr), "save", _enospc)
+    if where == "orbax":  # the array writer fails after orbax created its tmp directories
+        async def enospc_async(*a, **k):
+            _enospc()
+
+        monkeypatch.setattr(ocp.StandardCheckpointHandler, "async_save", enospc_async)
     else:
         real = ck._write_file
         monkeypatch.setattr(ck, "_write_file", lambda p, d: _enospc() if p.name == ck.MANIFEST_FILE else real(p, d))
@@ -250,13 +256,32 @@ def test_mismatched_target_is_not_corruption(tmp_path, states):
     mgr.close()
 
 
-def test_stale_tmp_dirs_removed_on_open(tmp_path, states):
-    (tmp_path / ".tmp-step_00000003-deadbeef" / "state").mkdir(parents=True)
-    mgr = CheckpointManager(tmp_path, async_save=False)
-    assert list(tmp_path.iterdir()) == [] and mgr.all_steps() == []
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        mgr.restore(target_state=_abstract())
+def test_crash_leftover_tmp_dir_ignored_and_removed_on_open(tmp_path, states, monkeypatch):
+    """What a process killed mid-save leaves (orbax's tmp dir, here complete but for the
+    rename) is never listed or restored, and the next manager removes it."""
+    mgr = CheckpointManager(tmp_path, keep_last=1, async_save=False)
+    mgr.save(1, states[0], {"s": 1})
+
+    def killed(step_dir, step):  # the save gets as far as our manifest, then the process "dies"
+        shutil.copytree(step_dir, tmp_path.parent / "leftover")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck, "write_manifest", killed)
+    with pytest.raises(KeyboardInterrupt):
+        mgr.save(2, states[1], {"s": 2})
+    monkeypatch.undo()
     mgr.close()
+    leftover = tmp_path / "step_00000002.orbax-checkpoint-tmp"
+    shutil.copytree(tmp_path.parent / "leftover", leftover)
+    mgr = CheckpointManager(tmp_path, keep_last=1, async_save=False)
+    assert mgr.all_steps() == [1] and not leftover.exists()
+    out, extra = mgr.restore(target_state=_abstract())
+    _assert_bit_identical(states[0], out)
+    assert extra == {"s": 1}
+    mgr.close()
+    empty = tmp_path / "empty"
+    with CheckpointManager(empty) as mgr, pytest.raises(FileNotFoundError, match="no checkpoint"):
+        mgr.restore(target_state=_abstract())
 
 
 def test_export_adapters_per_agent(tmp_path, states):
