@@ -6,8 +6,13 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 import threading
+import time
 from pathlib import Path
 
 import jax
@@ -294,3 +299,171 @@ def test_export_adapters_per_agent(tmp_path, states):
             np.testing.assert_array_equal(np.asarray(back.a[t][0]), np.asarray(st.lora.a[t][i]))
             np.testing.assert_array_equal(np.asarray(back.b[t][0]), np.asarray(st.lora.b[t][i]))
     assert [p.name for p in export_adapters(st.lora, tmp_path / "anon", "tiny")] == ["agent0", "agent1", "agent2"]
+
+
+# ----------------------------------------------------------------------------- other meshes, other processes
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RESHARD_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from tests.test_checkpoint import _abstract, _host_leaves
+    from marft_jax.train.checkpoint import CheckpointManager
+    assert len(jax.devices()) == 8, jax.devices()
+    want = np.load(sys.argv[2])
+    want = [want[f"arr_{i}"] for i in range(len(want.files))]
+
+    def spec_for(x, size, axis):  # shard the first dimension that the mesh axis divides
+        dims = [i for i, n in enumerate(getattr(x, "shape", ())) if n % size == 0]
+        return P(*([None] * dims[0] + [axis])) if dims else P()
+
+    def same(tree):
+        got = _host_leaves(tree)
+        assert len(got) == len(want) and all(g.dtype == w.dtype and g.tobytes() == w.tobytes()
+                                             for g, w in zip(got, want))
+
+    mesh8 = Mesh(np.array(jax.devices()), ("x",))
+    sh8 = jax.tree.map(lambda x: NamedSharding(mesh8, spec_for(x, 8, "x")), _abstract())
+    with CheckpointManager(sys.argv[1], keep_last=None, async_save=True) as mgr:
+        # Step 1 was saved by a one-device process: restore it sharded over 8 devices.
+        out, _ = mgr.restore(1, target_state=_abstract(), shardings=sh8)
+        same(out)
+        for x, s in zip(jax.tree.leaves(out), jax.tree.leaves(sh8)):
+            assert x.sharding == s, (x.sharding, s)
+        assert any(len(x.sharding.device_set) == 8 and not x.sharding.is_fully_replicated
+                   for x in jax.tree.leaves(out))
+        # Save from the 8-device mesh; restore onto another mesh (2 x 4), as abstract targets.
+        mgr.save(2, out, {"from": "8 devices"})
+        mesh24 = Mesh(np.array(jax.devices()).reshape(2, 4), ("a", "b"))
+        tgt = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                          sharding=NamedSharding(mesh24, spec_for(x, 4, "b"))),
+                           _abstract())
+        out, extra = mgr.restore(2, target_state=tgt)
+        same(out)
+        assert extra == {"from": "8 devices"}
+        assert all(x.sharding == t.sharding for x, t in zip(jax.tree.leaves(out), jax.tree.leaves(tgt)))
+    print("OK")
+""")
+
+
+def _host_leaves(tree) -> list[np.ndarray]:
+    """Every leaf as a host array (PRNG keys as their uint32 data)."""
+    return [np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+            for x in jax.tree.leaves(tree)]
+
+
+@pytest.mark.multidevice
+def test_restore_reshards_between_1_and_8_devices(tmp_path, states):
+    """A step saved on 1 device restores sharded on 8 (and on a 2x4 mesh), and a step saved
+    sharded on 8 restores onto this process's single device, bit-identical each time."""
+    with CheckpointManager(tmp_path / "ckpt", keep_last=None, async_save=False) as mgr:
+        mgr.save(1, states[1])
+    np.savez(tmp_path / "want.npz", *_host_leaves(states[1]))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", RESHARD_SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "want.npz")],
+                         env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr[-4000:]
+    with CheckpointManager(tmp_path / "ckpt", keep_last=None, async_save=False) as mgr:
+        assert mgr.all_steps() == [1, 2]
+        back, extra = mgr.restore(target_state=_abstract())
+    _assert_bit_identical(states[1], back)
+    assert extra == {"from": "8 devices"}
+    assert all(len(x.sharding.device_set) == 1 for x in jax.tree.leaves(back))
+
+
+MULTIPROCESS_SCRIPT = textwrap.dedent("""
+    import sys
+    import jax
+    jax.config.update("jax_num_cpu_devices", 2)
+    proc, port, directory = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+    # CPU collectives across processes: gloo, jax's default since 0.5 (needed by the finite check).
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=proc,
+                               initialization_timeout=60)
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from marft_jax.train.checkpoint import CheckpointManager
+    assert jax.process_count() == 2 and len(jax.devices()) == 4 and len(jax.local_devices()) == 2
+
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("proc", "dev"))
+    row = NamedSharding(mesh, P(("proc", "dev")))          # each process holds half of the rows
+    col = NamedSharding(mesh, P(None, "proc"))             # another layout: columns split
+    want = {"w": np.arange(8 * 6, dtype=np.float32).reshape(8, 6), "step": np.int32(7),
+            "key": np.asarray(jax.random.key_data(jax.random.key(3)))}
+
+    def build(tree, shard):
+        return {k: jax.make_array_from_callback(v.shape, shard if v.ndim == 2 else NamedSharding(mesh, P()),
+                                                lambda idx, v=v: v[idx]) for k, v in tree.items()}
+
+    def check(got, ref, shard):
+        for k, v in ref.items():
+            assert got[k].shape == v.shape and got[k].dtype == v.dtype, k
+            if v.ndim == 2:
+                assert got[k].sharding == shard, (k, got[k].sharding)
+            for s in got[k].addressable_shards:               # this process's pieces only
+                np.testing.assert_array_equal(np.asarray(s.data), v[s.index], err_msg=k)
+
+    state = build(want, row)
+    with CheckpointManager(directory, keep_last=2, async_save=True) as mgr:
+        assert mgr.save(1, state, {"iteration": 1})
+        mgr.wait()
+        # Resume: restore (onto the other layout), update, save again, restore.
+        target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=col if v.ndim == 2 else NamedSharding(mesh, P()))
+                  for k, v in want.items()}
+        got, extra = mgr.restore(target_state=target)
+        assert extra == {"iteration": 1}, extra
+        check(got, want, col)
+        want2 = dict(want, w=want["w"] * 2 + 1, step=np.int32(8))
+        assert mgr.save(2, build(want2, col), {"iteration": 2})
+    with CheckpointManager(directory, keep_last=2, async_save=False) as mgr:
+        assert mgr.all_steps() == [1, 2], mgr.all_steps()
+        got, extra = mgr.restore(target_state=build(want, row))  # concrete target: its shardings
+        assert extra == {"iteration": 2}
+        check(got, want2, row)
+    print(f"OK process {proc}", flush=True)
+""")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multidevice
+def test_two_processes_save_restore_resume(tmp_path):
+    """Two jax.distributed processes on localhost (2 CPU devices each) save one sharded array
+    pytree (each writes its shards, orbax barriers), restore it onto another layout, and resume."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env.pop("XLA_FLAGS", None)
+    port = _free_port()
+    logs = [open(tmp_path / f"process{i}.log", "w+") for i in range(2)]
+    procs = [subprocess.Popen([sys.executable, "-c", MULTIPROCESS_SCRIPT, str(i), str(port), str(tmp_path / "ckpt")],
+                              env=env, cwd=ROOT, stdout=logs[i], stderr=subprocess.STDOUT, text=True)
+             for i in range(2)]
+    deadline, timed_out = time.monotonic() + 120, False
+    try:
+        for p in procs:
+            try:
+                p.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    texts = []
+    for f in logs:
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    report = "\n".join(f"--- process {i} (rc {p.returncode}) ---\n{t[-3000:]}" for i, (p, t) in enumerate(zip(procs, texts)))
+    assert not timed_out, "a process did not finish within 120 s (killed)\n" + report
+    assert all(p.returncode == 0 for p in procs) and all(f"OK process {i}" in t for i, t in enumerate(texts)), report
+    step = tmp_path / "ckpt" / "step_00000002"
+    assert (step / ck.MANIFEST_FILE).is_file() and not list((tmp_path / "ckpt").glob("*tmp*"))
+    ck.verify_manifest(step)

@@ -208,8 +208,9 @@ def _to_saveable(tree: Any) -> tuple[Any, dict[str, str]]:
             name = _key_impl_name(x)
             if name is not None:
                 impls[jax.tree_util.keystr(path)] = name
-            if isinstance(x, jax.ShapeDtypeStruct):
-                return jax.eval_shape(jax.random.key_data, x)
+            if isinstance(x, jax.ShapeDtypeStruct):  # keep a target sharding (restore onto a mesh)
+                data = jax.eval_shape(jax.random.key_data, x)
+                return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(x, "sharding", None))
             return jax.random.key_data(x)
         return x
 
