@@ -289,6 +289,34 @@ def test_crash_leftover_tmp_dir_ignored_and_removed_on_open(tmp_path, states, mo
         mgr.restore(target_state=_abstract())
 
 
+def test_format_1_checkpoint_still_restores(tmp_path, states):
+    """A step written by the manager before orbax's (state/ + extra.json + meta.json + a manifest
+    of all three) restores, and the run continues with format-2 steps beside it."""
+    import hashlib
+
+    step_dir = tmp_path / "step_00000004"
+    saveable, impls = ck._to_saveable(states[3])
+    with ocp.StandardCheckpointer() as w:
+        w.save(step_dir / "state", saveable)
+    meta = {"format": 1, "step": 4, "leaves": ck._leaf_specs(saveable), "key_impls": impls,
+            "lora_scales": ck._lora_scales(states[3])}
+    (step_dir / "meta.json").write_text(json.dumps(meta))
+    (step_dir / "extra.json").write_text(json.dumps({"iteration": 4}))
+    files = {p.relative_to(step_dir).as_posix(): {"sha256": hashlib.sha256(p.read_bytes()).hexdigest(),
+                                                  "size": p.stat().st_size}
+             for p in step_dir.rglob("*") if p.is_file()}
+    (step_dir / ck.MANIFEST_FILE).write_text(json.dumps({"format": 1, "step": 4, "files": files}))
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        assert mgr.all_steps() == [4]
+        out, extra = mgr.restore(target_state=_abstract())
+        _assert_bit_identical(states[3], out)
+        assert extra == {"iteration": 4}
+        assert mgr.save(5, out, {"iteration": 5}) and mgr.all_steps() == [4, 5]
+        (step_dir / "extra.json").write_text(json.dumps({"iteration": 3}))
+        with pytest.raises(CheckpointCorruptError, match="extra.json.*(bytes|sha256)"):
+            mgr.restore(4, target_state=_abstract())
+
+
 def test_export_adapters_per_agent(tmp_path, states):
     st = states[2]
     paths = export_adapters(st, tmp_path / "adapters", "tiny-llama", roles=["planner", "coder", "critic/x"])

@@ -72,12 +72,13 @@ from orbax.checkpoint._src.path import atomicity
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2      # 1: the hand-written manager (state/ + extra.json + meta.json)
+FORMAT_VERSION = 2      # 1: the hand-written manager before orbax's (state/ + extra.json + meta.json)
 STATE_DIR = "state"     # orbax item names (one sub-directory each)
 EXTRA_ITEM = "extra"
 META_ITEM = "meta"
 ITEMS = (STATE_DIR, EXTRA_ITEM, META_ITEM)
 MANIFEST_FILE = "MANIFEST.sha256.json"
+_V1_META, _V1_EXTRA = "meta.json", "extra.json"   # format 1 kept these beside state/ (still read)
 STEP_PREFIX = "step"
 _STEP_RE = re.compile(r"^step_(\d+)$")
 
@@ -453,18 +454,18 @@ class CheckpointManager:
 
     def _load(self, step: int, target_state: Any) -> tuple[Any, dict]:
         path = self.step_path(step)
-        if (path / "meta.json").is_file() and not (path / META_ITEM).is_dir():
-            raise CheckpointMismatchError(
-                f"checkpoint {str(path)!r} has format 1 (written before marft_jax used orbax's "
-                f"CheckpointManager, with meta.json/extra.json); this version reads format {FORMAT_VERSION}")
         verify_manifest(path)
+        legacy = (path / _V1_META).is_file() and not (path / META_ITEM).is_dir()
         try:
-            js = self._mgr.restore(step, args=ocp.args.Composite(**{EXTRA_ITEM: ocp.args.JsonRestore(),
-                                                                    META_ITEM: ocp.args.JsonRestore()}))
-            extra, meta = dict(js[EXTRA_ITEM]), dict(js[META_ITEM])
-        except Exception as e:  # noqa: BLE001 - verified files that orbax cannot read: corrupt
-            raise CheckpointCorruptError(
-                f"checkpoint {str(path)!r}: cannot read {EXTRA_ITEM}/ or {META_ITEM}/ ({e!r})") from e
+            if legacy:  # format 1: plain JSON files beside an orbax state directory
+                meta, extra = (json.loads((path / f).read_text()) for f in (_V1_META, _V1_EXTRA))
+            else:
+                js = self._mgr.restore(step, args=ocp.args.Composite(**{EXTRA_ITEM: ocp.args.JsonRestore(),
+                                                                        META_ITEM: ocp.args.JsonRestore()}))
+                extra, meta = dict(js[EXTRA_ITEM]), dict(js[META_ITEM])
+        except Exception as e:  # noqa: BLE001 - verified files that cannot be read: corrupt
+            raise CheckpointCorruptError(f"checkpoint {str(path)!r}: cannot read its {META_ITEM} / "
+                                         f"{EXTRA_ITEM} JSON ({e!r})") from e
         saveable, _ = _to_saveable(target_state)
         want, have = _leaf_specs(saveable), meta.get("leaves", {})
         if want != have:
@@ -486,8 +487,13 @@ class CheckpointManager:
             return ocp.utils.to_shape_dtype_struct(x)
 
         try:
-            restored = self._mgr.restore(step, args=ocp.args.Composite(
-                **{STATE_DIR: ocp.args.StandardRestore(jax.tree.map(abstract, saveable))}))[STATE_DIR]
+            target = jax.tree.map(abstract, saveable)
+            if legacy:
+                with ocp.StandardCheckpointer() as reader:
+                    restored = reader.restore(path / STATE_DIR, target)
+            else:
+                restored = self._mgr.restore(step, args=ocp.args.Composite(
+                    **{STATE_DIR: ocp.args.StandardRestore(target)}))[STATE_DIR]
         except Exception as e:  # noqa: BLE001 - verified files that orbax cannot read: corrupt
             raise CheckpointCorruptError(f"checkpoint {str(path / STATE_DIR)!r}: orbax restore failed ({e!r})") from e
 
