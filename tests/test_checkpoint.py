@@ -1,5 +1,6 @@
-"""Checkpoints: bit-exact round trip, rotation, atomic async commit, integrity checks with
-fallback, disk-full and NaN safety, PEFT export of every agent."""
+"""Checkpoints (orbax CheckpointManager underneath): bit-exact round trip, rotation, atomic async
+commit, integrity checks with fallback, disk-full and NaN safety, format-1 steps, restore onto
+other meshes, two processes, PEFT export of every agent."""
 
 from __future__ import annotations
 
@@ -180,6 +181,27 @@ def test_corrupt_file_refused_kept_and_fallback(tmp_path, states):
     out, _ = mgr.restore(1, target_state=_abstract())
     _assert_bit_identical(states[1], out)
     mgr.close()
+
+
+def test_orbax_alone_misses_a_flipped_bit(tmp_path, states):
+    """Why the manifest stays: orbax restores a flipped bit in the array data without an error.
+    If this starts failing, orbax checks payloads itself and the manifest may go."""
+    with CheckpointManager(tmp_path, async_save=False) as mgr:
+        mgr.save(1, states[0])
+    state_dir = tmp_path / "step_00000001" / ck.STATE_DIR
+    victim = max(_state_files(tmp_path / "step_00000001"), key=lambda p: p.stat().st_size)  # the chunk data
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    saveable, _ = ck._to_saveable(states[0])
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as reader:
+        got = reader.restore(state_dir.parent, ocp.args.Composite(**{ck.STATE_DIR: ocp.args.StandardRestore(
+            jax.tree.map(ocp.utils.to_shape_dtype_struct, saveable))}))[ck.STATE_DIR]
+    changed = [p for p, a, b in zip(jax.tree_util.tree_flatten_with_path(saveable)[0], jax.tree.leaves(saveable),
+                                    jax.tree.leaves(got)) if np.asarray(a).tobytes() != np.asarray(b).tobytes()]
+    assert len(changed) == 1, changed
+    with CheckpointManager(tmp_path, async_save=False) as mgr, pytest.raises(CheckpointCorruptError, match="sha256"):
+        mgr.restore(1, target_state=_abstract())
 
 
 def test_partial_dir_without_manifest_refused(tmp_path, states):

@@ -25,10 +25,10 @@ writes or reads its own shards, and orbax merges the per-process OCDBT files.
 
 What we keep on top, and why:
 
-* The integrity manifest. orbax verifies neither the array payloads (tensorstore's zarr chunks
-  carry no checksum: a flipped bit in ``state/`` restores silently as a wrong number; see
-  ``tests/test_checkpoint.py::test_corrupt_file_refused_kept_and_fallback``) nor the JSON
-  items. The primary process writes the manifest inside the temporary directory just before
+* The integrity manifest. orbax checks neither the array payloads (OCDBT checksums its index
+  nodes, but the zarr chunks carry no checksum: a flipped bit in ``state/`` restores silently as
+  a wrong number, pinned by ``tests/test_checkpoint.py::test_orbax_alone_misses_a_flipped_bit``)
+  nor the JSON items. The primary process writes the manifest inside the temporary directory just before
   orbax renames it (:class:`_ManifestTemporaryPath`), so a committed step always has one.
   ``restore`` re-hashes every listed file first: a missing manifest, a missing or changed file
   raises :class:`CheckpointCorruptError` naming it, and ``restore(step=None)`` warns and falls
@@ -370,6 +370,8 @@ class CheckpointManager:
     def _failed(self, step: int, e: BaseException):
         """Remove what the failed save of ``step`` left and raise a :class:`CheckpointSaveError`."""
         self._pending = None
+        if step is None:
+            raise e
         if jax.process_index() == 0:
             for p in self.directory.glob(step_dir_name(step) + atomicity.TMP_DIR_SUFFIX + "*"):
                 shutil.rmtree(p, ignore_errors=True)
