@@ -18,7 +18,7 @@ Layout of a run's checkpoint directory (one orbax composite checkpoint per step)
 
 What orbax does: the atomic commit (every item is written into a ``*.orbax-checkpoint-tmp``
 directory that the primary process renames to ``step_<N>`` once every process has committed
-its shards; local/POSIX filesystems), keep-last-k rotation (only after the new step committed),
+its shards), keep-last-k rotation (only after the new step committed),
 removal of leftover temporary directories, the async commit on a background thread, and the
 multi-process barriers: with ``jax.distributed`` every process calls ``save`` / ``restore``,
 writes or reads its own shards, and orbax merges the per-process OCDBT files.
@@ -28,11 +28,14 @@ What we keep on top, and why:
 * The integrity manifest. orbax checks neither the array payloads (OCDBT checksums its index
   nodes, but the zarr chunks carry no checksum: a flipped bit in ``state/`` restores silently as
   a wrong number, pinned by ``tests/test_checkpoint.py::test_orbax_alone_misses_a_flipped_bit``)
-  nor the JSON items. The primary process writes the manifest inside the temporary directory just before
-  orbax renames it (:class:`_ManifestTemporaryPath`), so a committed step always has one.
-  ``restore`` re-hashes every listed file first: a missing manifest, a missing or changed file
-  raises :class:`CheckpointCorruptError` naming it, and ``restore(step=None)`` warns and falls
-  back to the next newest valid step. Corrupt steps are never deleted by the check.
+  nor the JSON items. The primary process writes the manifest inside the temporary directory
+  just before orbax renames it (:class:`_ManifestTemporaryPath`, a subclass of orbax's
+  atomic-rename path: local/POSIX filesystems, as before; object stores would need its
+  commit-file variant), so a committed step always has one. ``restore`` re-hashes every listed
+  file first (on every process: it reads the adapter-sized checkpoint once more): a missing
+  manifest, a missing or changed file raises :class:`CheckpointCorruptError` naming it, and
+  ``restore(step=None)`` warns and falls back to the next newest valid step. Corrupt steps are
+  never deleted by the check.
 * ``meta``: leaf shapes/dtypes and the static LoRA scale, so a checkpoint from another config
   is a :class:`CheckpointMismatchError` naming the leaves rather than an orbax shape error;
   typed PRNG keys are stored as their uint32 data with the impl name.
@@ -43,6 +46,9 @@ Restoring onto another mesh: ``restore`` reads each leaf into the sharding of th
 (a concrete state's arrays, abstract ``jax.ShapeDtypeStruct`` leaves with ``sharding=``, or an
 explicit ``shardings`` pytree), so a step saved from one device restores sharded over eight and
 back.
+
+Format 1 (the hand-written manager this replaced: ``state/`` beside ``extra.json`` and
+``meta.json``) is still restored, so runs resume across the change.
 
 Async: with ``async_save=True`` (default), ``save`` returns once orbax has copied the arrays to
 host memory (so the caller may donate or overwrite the state's buffers); ``wait()`` blocks until
