@@ -285,7 +285,8 @@ def test_mismatched_target_is_not_corruption(tmp_path, states):
 
 def test_crash_leftover_tmp_dir_ignored_and_removed_on_open(tmp_path, states, monkeypatch):
     """What a process killed mid-save leaves (orbax's tmp dir, here complete but for the
-    rename) is never listed or restored, and the next manager removes it."""
+    rename) is never listed or restored, and the next manager removes it (in the background,
+    done before its first save)."""
     mgr = CheckpointManager(tmp_path, keep_last=1, async_save=False)
     mgr.save(1, states[0], {"s": 1})
 
@@ -301,10 +302,11 @@ def test_crash_leftover_tmp_dir_ignored_and_removed_on_open(tmp_path, states, mo
     leftover = tmp_path / "step_00000002.orbax-checkpoint-tmp"
     shutil.copytree(tmp_path.parent / "leftover", leftover)
     mgr = CheckpointManager(tmp_path, keep_last=1, async_save=False)
-    assert mgr.all_steps() == [1] and not leftover.exists()
+    assert mgr.all_steps() == [1]
     out, extra = mgr.restore(target_state=_abstract())
     _assert_bit_identical(states[0], out)
     assert extra == {"s": 1}
+    assert mgr.save(3, states[2]) and mgr.all_steps() == [3] and not leftover.exists()
     mgr.close()
     empty = tmp_path / "empty"
     with CheckpointManager(empty) as mgr, pytest.raises(FileNotFoundError, match="no checkpoint"):
