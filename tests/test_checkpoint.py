@@ -8,6 +8,7 @@ import errno
 import json
 import logging
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from marft_jax.train.checkpoint import (CheckpointCorruptError, CheckpointManage
                                         CheckpointMismatchError, CheckpointSaveError, export_adapters)
 from marft_jax.train.state import OptimConfig, init_train_state
 
+ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(arch="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8)
 LORA = LoraConfig(rank=4, alpha=8.0, targets=("q_proj", "v_proj"))
@@ -283,34 +285,50 @@ def test_mismatched_target_is_not_corruption(tmp_path, states):
     mgr.close()
 
 
-def test_crash_leftover_tmp_dir_ignored_and_removed_on_open(tmp_path, states, monkeypatch):
-    """What a process killed mid-save leaves (orbax's tmp dir, here complete but for the
-    rename) is never listed or restored, and the next manager removes it (in the background,
+KILLED_SCRIPT = textwrap.dedent("""
+    import sys, time
+    import numpy as np
+    from marft_jax.train import checkpoint as ck
+    mgr = ck.CheckpointManager(sys.argv[1], keep_last=1, async_save=True)
+    mgr.save(1, {"w": np.arange(64, dtype=np.float32)}, {"s": 1})
+    mgr.wait()
+
+    def stuck(step_dir, step):  # every shard of step 2 is written; hang just before the commit
+        print("COMMITTING", flush=True)
+        time.sleep(600)
+
+    ck.write_manifest = stuck
+    mgr.save(2, {"w": np.arange(64, dtype=np.float32) + 1}, {"s": 2})
+    mgr.wait()
+""")
+
+
+def test_process_killed_mid_save_keeps_previous_checkpoint(tmp_path):
+    """SIGKILL during the commit of step 2 (keep_last=1): step 1 survives and restores, the
+    leftover tmp dir is never listed, and the next manager removes it (in the background,
     done before its first save)."""
-    mgr = CheckpointManager(tmp_path, keep_last=1, async_save=False)
-    mgr.save(1, states[0], {"s": 1})
-
-    def killed(step_dir, step):  # the save gets as far as our manifest, then the process "dies"
-        shutil.copytree(step_dir, tmp_path.parent / "leftover")
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(ck, "write_manifest", killed)
-    with pytest.raises(KeyboardInterrupt):
-        mgr.save(2, states[1], {"s": 2})
-    monkeypatch.undo()
-    mgr.close()
-    leftover = tmp_path / "step_00000002.orbax-checkpoint-tmp"
-    shutil.copytree(tmp_path.parent / "leftover", leftover)
-    mgr = CheckpointManager(tmp_path, keep_last=1, async_save=False)
-    assert mgr.all_steps() == [1]
-    out, extra = mgr.restore(target_state=_abstract())
-    _assert_bit_identical(states[0], out)
-    assert extra == {"s": 1}
-    assert mgr.save(3, states[2]) and mgr.all_steps() == [3] and not leftover.exists()
-    mgr.close()
-    empty = tmp_path / "empty"
-    with CheckpointManager(empty) as mgr, pytest.raises(FileNotFoundError, match="no checkpoint"):
-        mgr.restore(target_state=_abstract())
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_SCRIPT, str(tmp_path)], env=env, cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ready, _, _ = select.select([proc.stdout], [], [], 120)  # the child is inside the commit (or died)
+        assert ready, "the child did not reach the commit of step 2 within 120 s"
+        line = proc.stdout.readline()
+        assert line.strip() == "COMMITTING", line + proc.stderr.read()[-3000:]
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    leftovers = [p.name for p in tmp_path.iterdir() if p.name != "step_00000001"]
+    assert len(leftovers) == 1 and leftovers[0].startswith("step_00000002.orbax-checkpoint-tmp"), leftovers
+    with CheckpointManager(tmp_path, keep_last=1, async_save=False) as mgr:
+        assert mgr.all_steps() == [1]
+        out, extra = mgr.restore(target_state={"w": jax.ShapeDtypeStruct((64,), jnp.float32)})
+        np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(64, dtype=np.float32))
+        assert extra == {"s": 1}
+        assert mgr.save(3, out) and mgr.all_steps() == [3]
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000003"]
+    with CheckpointManager(tmp_path / "empty") as mgr, pytest.raises(FileNotFoundError, match="no checkpoint"):
+        mgr.restore(target_state=out)
 
 
 def test_format_1_checkpoint_still_restores(tmp_path, states):
@@ -354,8 +372,6 @@ def test_export_adapters_per_agent(tmp_path, states):
 
 
 # ----------------------------------------------------------------------------- other meshes, other processes
-
-ROOT = Path(__file__).resolve().parents[1]
 
 RESHARD_SCRIPT = textwrap.dedent("""
     import sys
