@@ -320,15 +320,23 @@ def test_process_killed_mid_save_keeps_previous_checkpoint(tmp_path):
         proc.wait(timeout=60)
     leftovers = [p.name for p in tmp_path.iterdir() if p.name != "step_00000001"]
     assert len(leftovers) == 1 and leftovers[0].startswith("step_00000002.orbax-checkpoint-tmp"), leftovers
+    target = {"w": jax.ShapeDtypeStruct((64,), jnp.float32)}
+    with CheckpointManager(tmp_path, read_only=True) as reader:  # e.g. `eval --run` beside a live run
+        assert reader.all_steps() == [1] and reader.restore(target_state=target)[1] == {"s": 1}
+        with pytest.raises(ValueError, match="read-only"):
+            reader.save(5, {"w": jnp.zeros(64)})
+    assert (tmp_path / leftovers[0]).is_dir()   # a reader never removes a writer's tmp dir
     with CheckpointManager(tmp_path, keep_last=1, async_save=False) as mgr:
         assert mgr.all_steps() == [1]
-        out, extra = mgr.restore(target_state={"w": jax.ShapeDtypeStruct((64,), jnp.float32)})
+        out, extra = mgr.restore(target_state=target)
         np.testing.assert_array_equal(np.asarray(out["w"]), np.arange(64, dtype=np.float32))
         assert extra == {"s": 1}
         assert mgr.save(3, out) and mgr.all_steps() == [3]
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000003"]
-    with CheckpointManager(tmp_path / "empty") as mgr, pytest.raises(FileNotFoundError, match="no checkpoint"):
-        mgr.restore(target_state=out)
+    for ro in (False, True):
+        with CheckpointManager(tmp_path / "empty", read_only=ro) as mgr, \
+                pytest.raises(FileNotFoundError, match="no checkpoint"):
+            mgr.restore(target_state=out)
 
 
 def test_format_1_checkpoint_still_restores(tmp_path, states):

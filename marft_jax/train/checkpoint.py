@@ -282,18 +282,23 @@ class CheckpointManager:
       directory: e.g. ``<run_dir>/checkpoints`` (created).
       keep_last: keep this many newest steps (``None``: keep all).
       async_save: commit in the background (see module docstring).
+      read_only: only list and restore (``save`` raises); leaves a concurrent writer's temporary
+        directories alone (e.g. evaluating a run while it trains).
     """
 
-    def __init__(self, directory: str | Path, keep_last: int | None = 3, async_save: bool = True):
+    def __init__(self, directory: str | Path, keep_last: int | None = 3, async_save: bool = True,
+                 read_only: bool = False):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         self.directory = Path(directory).resolve()  # orbax requires absolute paths
         self.keep_last = keep_last
         self.async_save = async_save
+        self.read_only = read_only
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep_last, step_prefix=STEP_PREFIX, step_format_fixed_length=8,
-            enable_async_checkpointing=async_save, cleanup_tmp_directories=True,
-            temporary_path_class=_ManifestTemporaryPath, save_root_metadata=False)
+            max_to_keep=None if read_only else keep_last, step_prefix=STEP_PREFIX, step_format_fixed_length=8,
+            enable_async_checkpointing=async_save, cleanup_tmp_directories=not read_only,
+            temporary_path_class=_ManifestTemporaryPath, save_root_metadata=False, read_only=read_only,
+            create=not read_only)
         self._mgr = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
         self._pending: int | None = None
 
@@ -332,6 +337,8 @@ class CheckpointManager:
         Raises :class:`CheckpointSaveError` when writing fails (disk full...); in async mode a
         failure after this returns surfaces at ``wait()``.
         """
+        if self.read_only:
+            raise ValueError(f"checkpoint manager on {str(self.directory)!r} is read-only: cannot save step {step}")
         self.wait()
         step = int(step)
         if step < 0:
