@@ -74,7 +74,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
-from orbax.checkpoint._src.path import atomicity
+from orbax.checkpoint.path import atomicity
 
 logger = logging.getLogger(__name__)
 
