@@ -83,7 +83,7 @@ def cmd_eval(args) -> int:
                                  optim_config(cfg, 1), critic_lora=cfg.ppo.critic_lora)
         source = "base model (fresh adapters = identity)"
         if args.run:
-            ckpt = CheckpointManager(Path(args.run) / "checkpoints", async_save=False)
+            ckpt = CheckpointManager(Path(args.run) / "checkpoints", async_save=False, read_only=True)
             state, extra = ckpt.restore(args.step, target_state=state)
             source = f"{ckpt.step_path(int(extra['iteration']))}"
             ckpt.close()

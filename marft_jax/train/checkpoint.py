@@ -1,41 +1,63 @@
-"""Checkpoints of the trainable state (orbax), with integrity checks; PEFT export of the adapters.
+"""Checkpoints of the trainable state on orbax's ``CheckpointManager``; PEFT export of the adapters.
 
 What is saved: the whole :class:`~marft_jax.train.state.TrainState` (stacked LoRA, critic head
 and critic LoRA, both optimizer states, step, RNG key) plus a small JSON ``extra`` dict (data
-iterator position, config, the step's metrics). Never the frozen base: it is reloaded from its
-own weights.
+iterator position, packing shapes, config, the step's metrics). Never the frozen base: it is
+reloaded from its own weights.
 
-Layout of a run's checkpoint directory::
+Layout of a run's checkpoint directory (one orbax composite checkpoint per step)::
 
     <directory>/
       step_00000010/
         state/                 orbax StandardCheckpointHandler (OCDBT) of the state pytree
-        extra.json             the caller's ``extra`` dict
-        meta.json              format, step, per-leaf shape/dtype, PRNG key impls, LoRA scale
-        MANIFEST.sha256.json   sha256 + size of every other file in the step directory
-      .tmp-step_00000020-1a2b3c4d/   a save in progress (never listed, removed on start-up)
+        extra/metadata         orbax JsonCheckpointHandler: the caller's ``extra`` dict
+        meta/metadata          JSON: format, step, per-leaf shape/dtype, PRNG key impls, LoRA scale
+        MANIFEST.sha256.json   sha256 + size of every file under state/, extra/, meta/
+        _CHECKPOINT_METADATA   orbax's step metadata (and its commit_success.txt)
+      step_00000020.orbax-checkpoint-tmp/   a save in progress (never listed, removed on open)
 
-Atomicity: a save writes everything into a hidden ``.tmp-step_*`` sibling (orbax itself writes
-``state`` as ``state.orbax-checkpoint-tmp`` and renames it when its commit completes), then writes
-the manifest last, fsyncs, and renames the directory to ``step_<N>`` (``os.rename``: atomic on
-one POSIX filesystem; local disks only, not object stores). A ``step_<N>`` directory therefore
-only appears once complete; a crash or a full disk leaves at most a ``.tmp-*`` directory, which
-is never picked up and is deleted by the next manager opened on the directory.
+What orbax does: the atomic commit (every item is written into a ``*.orbax-checkpoint-tmp``
+directory that the primary process renames to ``step_<N>`` once every process has committed
+its shards), keep-last-k rotation (only after the new step committed),
+removal of leftover temporary directories, the async commit on a background thread, and the
+multi-process barriers: with ``jax.distributed`` every process calls ``save`` / ``restore``,
+writes or reads its own shards, and orbax merges the per-process OCDBT files.
 
-Integrity: ``restore`` re-hashes every file against the manifest before reading. A missing
-manifest, a missing or changed file raises :class:`CheckpointCorruptError` naming it;
-``restore(step=None)`` then warns and falls back to the next newest valid checkpoint. Corrupt
-checkpoints are never deleted by the integrity check (only keep-last-k rotation deletes).
+What we keep on top, and why:
+
+* The integrity manifest. orbax checks neither the array payloads (OCDBT checksums its index
+  nodes, but the zarr chunks carry no checksum: a flipped bit in ``state/`` restores silently as
+  a wrong number, pinned by ``tests/test_checkpoint.py::test_orbax_alone_misses_a_flipped_bit``)
+  nor the JSON items. The primary process writes the manifest inside the temporary directory
+  just before orbax renames it (:class:`_ManifestTemporaryPath`, a subclass of orbax's
+  atomic-rename path: local/POSIX filesystems, as before; object stores would need its
+  commit-file variant), so a committed step always has one. ``restore`` re-hashes every listed
+  file first (on every process: it reads the adapter-sized checkpoint once more): a missing
+  manifest, a missing or changed file raises :class:`CheckpointCorruptError` naming it, and
+  ``restore(step=None)`` warns and falls back to the next newest valid step. Corrupt steps are
+  never deleted by the check.
+* ``meta``: leaf shapes/dtypes and the static LoRA scale, so a checkpoint from another config
+  is a :class:`CheckpointMismatchError` naming the leaves rather than an orbax shape error;
+  typed PRNG keys are stored as their uint32 data with the impl name.
+* Refusing non-finite states, and errors that say what happened (:class:`CheckpointSaveError`
+  for a full disk, naming the steps that are still there).
+
+Restoring onto another mesh: ``restore`` reads each leaf into the sharding of the target
+(a concrete state's arrays, abstract ``jax.ShapeDtypeStruct`` leaves with ``sharding=``, or an
+explicit ``shardings`` pytree), so a step saved from one device restores sharded over eight and
+back.
+
+Format 1 (the hand-written manager this replaced: ``state/`` beside ``extra.json`` and
+``meta.json``) is still restored, so runs resume across the change.
 
 Async: with ``async_save=True`` (default), ``save`` returns once orbax has copied the arrays to
-host memory (so the caller may donate or overwrite the state's buffers); the commit, manifest,
-rename and rotation finish on a background thread. ``wait()`` blocks until then and re-raises a
-background failure; the next ``save``/``restore`` calls ``wait()`` first. Single-process only
-(multi-host would need orbax's barriers and one manifest writer).
+host memory (so the caller may donate or overwrite the state's buffers); ``wait()`` blocks until
+the commit and re-raises a background failure; the next ``save``/``restore`` calls it first.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import hashlib
 import json
@@ -43,9 +65,7 @@ import logging
 import os
 import re
 import shutil
-import threading
 import time
-import uuid
 import warnings
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -53,17 +73,20 @@ from typing import Any, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
+from orbax.checkpoint.path import atomicity
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
-STATE_DIR = "state"
-EXTRA_FILE = "extra.json"
-META_FILE = "meta.json"
+FORMAT_VERSION = 2      # 1: the hand-written manager before orbax's (state/ + extra.json + meta.json)
+STATE_DIR = "state"     # orbax item names (one sub-directory each)
+EXTRA_ITEM = "extra"
+META_ITEM = "meta"
+ITEMS = (STATE_DIR, EXTRA_ITEM, META_ITEM)
 MANIFEST_FILE = "MANIFEST.sha256.json"
+_V1_META, _V1_EXTRA = "meta.json", "extra.json"   # format 1 kept these beside state/ (still read)
+STEP_PREFIX = "step"
 _STEP_RE = re.compile(r"^step_(\d+)$")
-_TMP_PREFIX = ".tmp-step_"
-_TRASH_PREFIX = ".trash-step_"
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -79,30 +102,17 @@ class CheckpointSaveError(OSError):
 
 
 def step_dir_name(step: int) -> str:
-    return f"step_{int(step):08d}"
+    return f"{STEP_PREFIX}_{int(step):08d}"
 
 
-# ----------------------------------------------------------------------------- file helpers
+# ----------------------------------------------------------------------------- the manifest
 
 def _write_file(path: Path, data: bytes) -> None:
-    """Write + fsync. Every non-orbax byte of a checkpoint goes through here (tests patch it)."""
+    """Write + fsync (the manifest goes through here; tests patch it)."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -114,18 +124,16 @@ def _sha256(path: Path) -> str:
 
 
 def _files_under(root: Path) -> list[str]:
-    """Relative POSIX paths of every regular file under ``root`` except the manifest."""
+    """Relative POSIX paths of every regular file in the item directories of ``root``."""
     out = []
-    for dirpath, _, files in os.walk(root):
-        for name in files:
-            rel = (Path(dirpath) / name).relative_to(root).as_posix()
-            if rel != MANIFEST_FILE:
-                out.append(rel)
+    for item in ITEMS:
+        for dirpath, _, files in os.walk(root / item):
+            out.extend((Path(dirpath) / name).relative_to(root).as_posix() for name in files)
     return sorted(out)
 
 
 def write_manifest(step_dir: str | Path, step: int) -> Path:
-    """Hash every file of ``step_dir`` into ``MANIFEST.sha256.json`` (written last)."""
+    """Hash every item file of ``step_dir`` into ``MANIFEST.sha256.json``."""
     step_dir = Path(step_dir)
     files = {rel: {"sha256": _sha256(step_dir / rel), "size": (step_dir / rel).stat().st_size}
              for rel in _files_under(step_dir)}
@@ -169,6 +177,21 @@ def verify_manifest(step_dir: str | Path) -> dict:
     return manifest
 
 
+class _ManifestTemporaryPath(atomicity.AtomicRenameTemporaryPath):
+    """orbax's atomic-rename directory, with the manifest written just before the rename.
+
+    orbax calls ``finalize`` of the step directory on the primary process only, after every
+    process's shards are committed and the handlers finalized (item directories renamed, the
+    OCDBT merge), so the manifest sees the final files.
+    """
+
+    async def finalize(self, *args, **kwargs):
+        m = _STEP_RE.match(self.get_final().name)
+        if m:  # the step directory (orbax also uses this class for each item's directory)
+            await asyncio.to_thread(write_manifest, Path(self.get()), int(m.group(1)))
+        return await super().finalize(*args, **kwargs)
+
+
 # ----------------------------------------------------------------------------- pytree helpers
 
 def _is_key(x: Any) -> bool:
@@ -192,8 +215,9 @@ def _to_saveable(tree: Any) -> tuple[Any, dict[str, str]]:
             name = _key_impl_name(x)
             if name is not None:
                 impls[jax.tree_util.keystr(path)] = name
-            if isinstance(x, jax.ShapeDtypeStruct):
-                return jax.eval_shape(jax.random.key_data, x)
+            if isinstance(x, jax.ShapeDtypeStruct):  # keep a target sharding (restore onto a mesh)
+                data = jax.eval_shape(jax.random.key_data, x)
+                return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=getattr(x, "sharding", None))
             return jax.random.key_data(x)
         return x
 
@@ -249,40 +273,41 @@ def _jsonable(x: Any) -> Any:
 # ----------------------------------------------------------------------------- the manager
 
 class CheckpointManager:
-    """Atomic, verified, rotated checkpoints of a TrainState under one directory.
+    """Verified, rotated checkpoints of a TrainState under one directory (orbax underneath).
+
+    Multi-process: every process constructs the manager and calls ``save``/``restore``/
+    ``wait``/``close`` in the same order (orbax's barriers pair them up).
 
     Args:
       directory: e.g. ``<run_dir>/checkpoints`` (created).
-      keep_last: keep this many newest step directories (``None``: keep all).
+      keep_last: keep this many newest steps (``None``: keep all).
       async_save: commit in the background (see module docstring).
+      read_only: only list and restore (``save`` raises); leaves a concurrent writer's temporary
+        directories alone (e.g. evaluating a run while it trains).
     """
 
-    def __init__(self, directory: str | Path, keep_last: int | None = 3, async_save: bool = True):
-        import orbax.checkpoint as ocp
-
+    def __init__(self, directory: str | Path, keep_last: int | None = 3, async_save: bool = True,
+                 read_only: bool = False):
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last must be >= 1 or None, got {keep_last}")
         self.directory = Path(directory).resolve()  # orbax requires absolute paths
-        self.directory.mkdir(parents=True, exist_ok=True)
         self.keep_last = keep_last
         self.async_save = async_save
-        handler = ocp.StandardCheckpointHandler()
-        self._ckptr = ocp.AsyncCheckpointer(handler) if async_save else ocp.Checkpointer(handler)
-        self._restorer = ocp.Checkpointer(ocp.StandardCheckpointHandler())
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._clean_stale()
+        self.read_only = read_only
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=None if read_only else keep_last, step_prefix=STEP_PREFIX, step_format_fixed_length=8,
+            enable_async_checkpointing=async_save, cleanup_tmp_directories=not read_only,
+            temporary_path_class=_ManifestTemporaryPath, save_root_metadata=False, read_only=read_only,
+            create=not read_only)
+        self._mgr = ocp.CheckpointManager(self.directory, item_names=ITEMS, options=options)
+        self._pending: int | None = None
 
     # -- listing
 
     def all_steps(self) -> list[int]:
         """Steps with a committed ``step_<N>`` directory, ascending (not verified: see restore)."""
-        steps = []
-        for p in self.directory.iterdir():
-            m = _STEP_RE.match(p.name)
-            if m and p.is_dir():
-                steps.append(int(m.group(1)))
-        return sorted(steps)
+        self._mgr.reload()  # the directory may have changed under us (another manager, a user)
+        return sorted(int(s) for s in self._mgr.all_steps())
 
     def latest_step(self, verify: bool = False) -> int | None:
         """Newest committed step (``verify=True``: newest whose manifest checks out), or None."""
@@ -306,142 +331,93 @@ class CheckpointManager:
         """Save ``state`` (+ JSON ``extra``) as step ``step``.
 
         Returns False, writing nothing, when a floating leaf is non-finite (logged with the leaf
-        paths) or when a valid ``step`` already exists and ``force`` is False; ``force=True`` (or
-        an existing step that fails its integrity check) replaces it atomically. Raises :class:`CheckpointSaveError` when writing fails (disk
-        full...); in async mode a failure after this returns surfaces at ``wait()``.
+        paths) or when a valid ``step`` already exists and ``force`` is False. ``force=True``, or
+        an existing step that fails its integrity check, deletes that step and saves it anew
+        (not atomic for that one step: orbax cannot overwrite; other steps are untouched).
+        Raises :class:`CheckpointSaveError` when writing fails (disk full...); in async mode a
+        failure after this returns surfaces at ``wait()``.
         """
+        if self.read_only:
+            raise ValueError(f"checkpoint manager on {str(self.directory)!r} is read-only: cannot save step {step}")
         self.wait()
         step = int(step)
         if step < 0:
             raise ValueError(f"checkpoint step must be >= 0, got {step}")
-        extra_bytes = (json.dumps(_jsonable(dict(extra or {})), indent=1, sort_keys=True) + "\n").encode()
+        extra = _jsonable(dict(extra or {}))
+        json.dumps(extra)  # not JSON-able: fail here, before anything is written
         bad = nonfinite_leaves(state)
         if bad:
             logger.error("refusing to save checkpoint step %d to %s: non-finite values in %s",
                          step, self.directory, ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""))
             return False
-        if self.step_path(step).exists() and not force:
-            try:
-                verify_manifest(self.step_path(step))
-            except CheckpointCorruptError as e:  # e.g. resumed past it: a fresh save replaces it
-                logger.warning("replacing corrupt checkpoint step %d: %s", step, e)
-                force = True
-            else:
-                logger.warning("checkpoint step %d already exists in %s; not overwritten "
-                               "(force=True replaces it)", step, self.directory)
-                return False
-
-        import orbax.checkpoint as ocp
+        if step in self.all_steps():
+            if not force:
+                try:
+                    verify_manifest(self.step_path(step))
+                except CheckpointCorruptError as e:  # e.g. resumed past it: a fresh save replaces it
+                    logger.warning("replacing corrupt checkpoint step %d: %s", step, e)
+                else:
+                    logger.warning("checkpoint step %d already exists in %s; not overwritten "
+                                   "(force=True replaces it)", step, self.directory)
+                    return False
+            self._mgr.delete(step)
 
         saveable, impls = _to_saveable(state)
         meta = {"format": FORMAT_VERSION, "step": step, "time": time.time(),
                 "leaves": _leaf_specs(saveable), "key_impls": impls, "lora_scales": _lora_scales(state)}
-        tmp = self.directory / f"{_TMP_PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
+        args = ocp.args.Composite(**{STATE_DIR: ocp.args.StandardSave(saveable),
+                                     EXTRA_ITEM: ocp.args.JsonSave(extra),
+                                     META_ITEM: ocp.args.JsonSave(meta)})
+        self._pending = step
         try:
-            tmp.mkdir()
-            _write_file(tmp / EXTRA_FILE, extra_bytes)
-            _write_file(tmp / META_FILE, (json.dumps(meta, indent=1, sort_keys=True) + "\n").encode())
-            self._ckptr.save(tmp / STATE_DIR, args=ocp.args.StandardSave(saveable))
+            self._mgr.save(step, args=args, force=True)
+            if not self.async_save:
+                self._mgr.wait_until_finished()
         except BaseException as e:
-            self._abort(tmp)
-            raise self._save_error(step, e) from e
-        if self.async_save:
-            self._thread = threading.Thread(target=self._finalize_bg, args=(step, tmp, force),
-                                            name=f"ckpt-finalize-{step}", daemon=True)
-            self._thread.start()
-        else:
-            self._finalize(step, tmp, force)
+            self._failed(step, e)
+        if not self.async_save:
+            self._pending = None
+            logger.info("saved checkpoint %s", self.step_path(step))
         return True
 
-    def _finalize_bg(self, step: int, tmp: Path, force: bool) -> None:
-        try:
-            self._finalize(step, tmp, force)
-        except BaseException as e:  # noqa: BLE001 - re-raised by wait()
-            self._error = e
-
-    def _finalize(self, step: int, tmp: Path, force: bool) -> None:
-        try:
-            if self.async_save:
-                self._ckptr.wait_until_finished()
-            if not (tmp / STATE_DIR).is_dir():
-                raise CheckpointSaveError(f"orbax did not commit {tmp / STATE_DIR}")
-            write_manifest(tmp, step)
-            _fsync_dir(tmp)
-            final = self.step_path(step)
-            old = None
-            if final.exists():
-                if not force:  # raced with another writer
-                    raise FileExistsError(errno.EEXIST, "checkpoint step already exists", str(final))
-                old = self.directory / f"{_TRASH_PREFIX}{step:08d}-{uuid.uuid4().hex[:8]}"
-                os.rename(final, old)
-            try:
-                os.rename(tmp, final)
-            except BaseException:
-                if old is not None:
-                    os.rename(old, final)
-                raise
-            _fsync_dir(self.directory)
-            if old is not None:
-                shutil.rmtree(old, ignore_errors=True)
-        except BaseException as e:
-            self._abort(tmp)
-            raise self._save_error(step, e) from e
-        logger.info("saved checkpoint %s", final)
-        self._rotate(keep=step)
-
-    def _save_error(self, step: int, e: BaseException) -> BaseException:
+    def _failed(self, step: int, e: BaseException):
+        """Remove what the failed save of ``step`` left and raise a :class:`CheckpointSaveError`."""
+        self._pending = None
+        if step is None:
+            raise e
+        if jax.process_index() == 0:
+            for p in self.directory.glob(step_dir_name(step) + atomicity.TMP_DIR_SUFFIX + "*"):
+                shutil.rmtree(p, ignore_errors=True)
+        self._mgr.reload()
         if isinstance(e, CheckpointSaveError) or not isinstance(e, Exception):
-            return e
-        err = getattr(e, "errno", None)
-        if err is None and isinstance(e.__cause__, OSError):
-            err = e.__cause__.errno
+            raise e
+        err = None
+        for x in (e, e.__cause__, e.__context__):
+            err = err or getattr(x, "errno", None)
         if err is None and "no space left on device" in str(e).lower():  # tensorstore wraps it
             err = errno.ENOSPC
         what = "disk full (ENOSPC)" if err == errno.ENOSPC else f"{type(e).__name__}: {e}"
-        kept = self.all_steps()
-        return CheckpointSaveError(err or errno.EIO,
-                                   f"saving checkpoint step {step} failed: {what}; nothing was committed, "
-                                   f"earlier checkpoints are untouched (steps {kept})", str(self.directory))
-
-    def _abort(self, tmp: Path) -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-    def _rotate(self, keep: int) -> None:
-        if self.keep_last is None:
-            return
-        steps = self.all_steps()
-        doomed = [s for s in steps[:-self.keep_last] if s != keep]
-        for s in doomed:
-            trash = self.directory / f"{_TRASH_PREFIX}{s:08d}-{uuid.uuid4().hex[:8]}"
-            try:
-                os.rename(self.step_path(s), trash)  # never leave a half-deleted step_N behind
-            except OSError as e:
-                logger.warning("could not rotate out checkpoint %s: %s", self.step_path(s), e)
-                continue
-            shutil.rmtree(trash, ignore_errors=True)
-            logger.info("deleted old checkpoint step %d (keep_last=%d)", s, self.keep_last)
-
-    def _clean_stale(self) -> None:
-        for p in self.directory.iterdir():
-            if p.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
-                logger.warning("removing leftover partial checkpoint %s", p)
-                shutil.rmtree(p, ignore_errors=True)
+        raise CheckpointSaveError(err or errno.EIO,
+                                  f"saving checkpoint step {step} failed: {what}; nothing was committed, "
+                                  f"earlier checkpoints are untouched (steps {self.all_steps()})",
+                                  str(self.directory)) from e
 
     def wait(self) -> None:
         """Block until a background save is committed; re-raise its failure."""
-        t, self._thread = self._thread, None
-        if t is not None:
-            t.join()
-        err, self._error = self._error, None
-        if err is not None:
-            raise err
+        step = self._pending
+        try:
+            self._mgr.wait_until_finished()
+        except BaseException as e:
+            self._failed(step, e)
+        if step is not None:
+            self._pending = None
+            logger.info("saved checkpoint %s", self.step_path(step))
 
     def close(self) -> None:
         try:
             self.wait()
         finally:
-            self._ckptr.close()
-            self._restorer.close()
+            self._mgr.close()
 
     def __enter__(self) -> "CheckpointManager":
         return self
@@ -451,51 +427,60 @@ class CheckpointManager:
 
     # -- restore
 
-    def restore(self, step: int | None = None, *, target_state: Any) -> tuple[Any, dict]:
+    def restore(self, step: int | None = None, *, target_state: Any,
+                shardings: Any = None) -> tuple[Any, dict]:
         """Load ``(state, extra)``.
 
         Args:
           step: a step number, or None for the newest valid one (corrupt newer ones are skipped
             with a ``RuntimeWarning`` and kept on disk).
           target_state: a state of the same structure (concrete, or abstract from
-            ``jax.eval_shape``); restored arrays take its shardings, and non-pytree fields (the
-            LoRA ``scale``) come from it and must match what was saved.
+            ``jax.eval_shape``); restored arrays take its shardings (abstract leaves without one:
+            the first local device), and non-pytree fields (the LoRA ``scale``) come from it and
+            must match what was saved.
+          shardings: optional pytree of ``jax.sharding.Sharding`` with the structure of
+            ``target_state``; overrides its shardings (restore onto another mesh).
         Raises:
           FileNotFoundError: no such step / no checkpoint at all.
           CheckpointCorruptError: the requested step (or every step) is partial or corrupt.
           CheckpointMismatchError: the checkpoint does not fit ``target_state``.
         """
         self.wait()
-        if step is not None:
-            path = self.step_path(step)
-            if not path.is_dir():
-                raise FileNotFoundError(f"no checkpoint step {step} in {str(self.directory)!r} "
-                                        f"(available: {self.all_steps()})")
-            return self._load(path, target_state)
+        if shardings is not None:
+            target_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                                        target_state, shardings)
         steps = self.all_steps()
+        if step is not None:
+            if step not in steps:
+                raise FileNotFoundError(f"no checkpoint step {step} in {str(self.directory)!r} "
+                                        f"(available: {steps})")
+            return self._load(step, target_state)
         if not steps:
             raise FileNotFoundError(f"no checkpoint in {str(self.directory)!r}")
         errors = []
         for s in reversed(steps):
             try:
-                out = self._load(self.step_path(s), target_state)
+                return self._load(s, target_state)
             except CheckpointCorruptError as e:
                 errors.append(str(e))
                 warnings.warn(f"skipping corrupt checkpoint step {s}: {e}; falling back to an older one",
                               RuntimeWarning, stacklevel=2)
-                continue
-            return out
         raise CheckpointCorruptError(f"every checkpoint in {str(self.directory)!r} is corrupt: " + "; ".join(errors))
 
-    def _load(self, path: Path, target_state: Any) -> tuple[Any, dict]:
-        import orbax.checkpoint as ocp
-
+    def _load(self, step: int, target_state: Any) -> tuple[Any, dict]:
+        path = self.step_path(step)
         verify_manifest(path)
+        legacy = (path / _V1_META).is_file() and not (path / META_ITEM).is_dir()
         try:
-            meta = json.loads((path / META_FILE).read_text())
-            extra = json.loads((path / EXTRA_FILE).read_text())
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointCorruptError(f"checkpoint {str(path)!r}: cannot read {META_FILE}/{EXTRA_FILE} ({e!r})") from e
+            if legacy:  # format 1: plain JSON files beside an orbax state directory
+                meta, extra = (json.loads((path / f).read_text()) for f in (_V1_META, _V1_EXTRA))
+            else:
+                js = self._mgr.restore(step, args=ocp.args.Composite(**{EXTRA_ITEM: ocp.args.JsonRestore(),
+                                                                        META_ITEM: ocp.args.JsonRestore()}))
+                extra, meta = dict(js[EXTRA_ITEM]), dict(js[META_ITEM])
+        except Exception as e:  # noqa: BLE001 - verified files that cannot be read: corrupt
+            raise CheckpointCorruptError(f"checkpoint {str(path)!r}: cannot read its {META_ITEM} / "
+                                         f"{EXTRA_ITEM} JSON ({e!r})") from e
         saveable, _ = _to_saveable(target_state)
         want, have = _leaf_specs(saveable), meta.get("leaves", {})
         if want != have:
@@ -512,13 +497,18 @@ class CheckpointManager:
             if isinstance(x, jax.ShapeDtypeStruct):
                 if getattr(x, "sharding", None) is None:
                     return jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                sharding=jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+                                                sharding=jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
                 return x
             return ocp.utils.to_shape_dtype_struct(x)
 
         try:
-            restored = self._restorer.restore(path / STATE_DIR,
-                                              args=ocp.args.StandardRestore(jax.tree.map(abstract, saveable)))
+            target = jax.tree.map(abstract, saveable)
+            if legacy:
+                with ocp.StandardCheckpointer() as reader:
+                    restored = reader.restore(path / STATE_DIR, target)
+            else:
+                restored = self._mgr.restore(step, args=ocp.args.Composite(
+                    **{STATE_DIR: ocp.args.StandardRestore(target)}))[STATE_DIR]
         except Exception as e:  # noqa: BLE001 - verified files that orbax cannot read: corrupt
             raise CheckpointCorruptError(f"checkpoint {str(path / STATE_DIR)!r}: orbax restore failed ({e!r})") from e
 

@@ -177,9 +177,11 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
                              optim_config(cfg, total_updates), critic_lora=cfg.ppo.critic_lora)
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.train.keep_last, async_save=True)
     start, position, env_samples, before = 0, 0, 0, None
+    saved_at = None  # the step whose checkpoint holds `state` (not saved again: orbax cannot overwrite in place)
     if resume and ckpt.all_steps():
         state, extra = ckpt.restore(target_state=state)
         start, position = int(extra["iteration"]), int(extra["data_position"])
+        saved_at = start
         env_samples, before = int(extra["env_samples"]), extra.get("eval_before")
         learner.context_bucket = int(extra.get("context_bucket", 0))
         learner.load_packed_shapes(extra.get("packed_shapes", {}))
@@ -204,10 +206,15 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
     last_metrics: dict = {}
 
     def save(i: int) -> None:
+        nonlocal saved_at
+        if i == saved_at:
+            return
         extra = {"iteration": i, "data_position": stream.position, "env_samples": env_samples,
                  "eval_before": before, "context_bucket": learner.context_bucket,
                  "packed_shapes": learner.packed_shapes(), "metrics": last_metrics}
-        if not ckpt.save(i, state, extra, force=True):
+        if ckpt.save(i, state, extra, force=True):
+            saved_at = i
+        else:
             print(f"checkpoint at iteration {i} refused (non-finite state); previous checkpoints kept",
                   file=sys.stderr)
 
