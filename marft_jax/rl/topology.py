@@ -88,13 +88,16 @@ class LinkTable:
     def num_agents(self) -> int:
         return int(self.succ.shape[1])
 
+    def _key(self) -> tuple:
+        return (self.kind, self.succ.shape) + tuple(
+            np.asarray(x, np.int64).tobytes()
+            for x in (self.succ, self.skip, self.succ_crosses, self.skip_crosses))
+
     def __hash__(self) -> int:   # static argument of jitted programs
-        return hash((self.kind, self.succ.tobytes(), self.skip.tobytes(), self.succ.shape))
+        return hash(self._key())
 
     def __eq__(self, other) -> bool:
-        return (isinstance(other, LinkTable) and self.kind == other.kind
-                and self.succ.shape == other.succ.shape
-                and np.array_equal(self.succ, other.succ) and np.array_equal(self.skip, other.skip))
+        return isinstance(other, LinkTable) and self._key() == other._key()
 
 
 @dataclasses.dataclass(frozen=True)
