@@ -68,6 +68,14 @@ Implementations (``impl``), all float32 and equal up to float rounding:
 * ``"auto"`` (default): ``"native"`` when the default backend is CPU with a single device and
   the kernel is available; otherwise ``"blocked"`` on CPU, ``"associative"`` elsewhere.
 
+Team graphs (``marft_gae(links=...)``, :mod:`marft_jax.rl.topology`): with a link table of
+``kind="table"`` (``team.layer_links=layer``) a response's last valid point links to the
+first valid point of its *successor* chunk instead of the next one in execution order
+(several responses may share one); chunks without valid points forward the link through their
+skip target; the link is cut where it leaves a terminal step. Every implementation above
+solves it (:func:`_solve_linked`; native: a second kernel handler). The chain table
+(``kind="chain"``) is the recurrence above, the very same program.
+
 The batch axis carries no dependency, so it may be sharded (``NamedSharding`` with
 ``P(None, "data")`` on ``[S, B, ...]`` inputs); outputs keep that sharding (XLA
 implementations; ``"auto"`` never picks ``"native"`` with several devices).

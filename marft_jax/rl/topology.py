@@ -35,7 +35,9 @@ A profile file may instead give ``parents`` per role (role names), see
   argument on every DAG, the graph only restricting what each policy conditions on.
 * ``layer``: every agent of a layer links to the layer's successor (the first agent with
   tokens of the next layer, or of the next step's first layer) and the critic reads each
-  agent's own context. Cheaper (no joint-state contexts) and symmetric between siblings, but
+  agent's own context (``backups.marft_gae(links=...)``, ``rewards.place_reward(links=...)``
+  consume the table on every implementation). Cheaper (no joint-state contexts) and symmetric
+  between siblings, but
   each sibling's advantage then also carries the other siblings' effect on the next layer's
   value: the decomposition above no longer sums to the joint advantage.
 """
