@@ -166,6 +166,16 @@ def test_every_impl_matches_the_table_oracle(name, table, level, gamma, lam):
         adv, ret = _run(impl, table, reward, value, dp, step_mask, terminal, truncated, v_boot, gamma, lam)
         np.testing.assert_allclose(adv, want_adv, atol=1e-6, rtol=0, err_msg=impl)
         np.testing.assert_allclose(ret, want_ret, atol=1e-6, rtol=0, err_msg=impl)
+    if level == "token":        # responses with holes (not right-padded): all but `blocked`
+        holes = dp.copy()
+        holes[..., 0] &= ~(dp[..., 1] & (rng.random(dp.shape[:3]) < 0.5))
+        assert (holes != dp).any()
+        want_adv, want_ret = oracle(reward, value, holes, step_mask, terminal, truncated, v_boot, table,
+                                    gamma=gamma, lam=lam)
+        for impl in ("scan", "associative", "native"):
+            adv, ret = _run(impl, table, reward, value, holes, step_mask, terminal, truncated, v_boot, gamma, lam)
+            np.testing.assert_allclose(adv, want_adv, atol=1e-6, rtol=0, err_msg=impl)
+            np.testing.assert_allclose(ret, want_ret, atol=1e-6, rtol=0, err_msg=impl)
 
 
 def test_layer_links_share_the_successor_and_cut_at_terminal_steps():

@@ -702,9 +702,12 @@ def marft_gae(
     dims = _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level)
     layout.assert_layout(v_boot, "v_boot", (layout.BATCH,), sizes=dims)
     impl = resolve_impl(impl)
+    if links is not None and (links.num_steps, links.num_agents) != (dims[layout.STEP], dims[layout.AGENT]):
+        raise ValueError(f"the link table is for {links.num_steps} step(s) x {links.num_agents} agent(s), the "
+                         f"backup's inputs are {dims[layout.STEP]} x {dims[layout.AGENT]}")
     if links is not None and links.kind != "chain":
         return _marft_gae_linked(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, links,
-                                 dims=dims, gamma=gamma, lam=lam, impl=impl,
+                                 gamma=gamma, lam=lam, impl=impl,
                                  reference_semantics=reference_semantics)
     if impl == "native":
         return _native(reward, value, dp_mask, step_mask, terminal, truncated, v_boot,
@@ -720,15 +723,12 @@ def marft_gae(
 
 
 def _marft_gae_linked(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, links: LinkTable, *,
-                      dims, gamma, lam, impl, reference_semantics) -> Backup:
+                      gamma, lam, impl, reference_semantics) -> Backup:
     """:func:`marft_gae` along a ``kind="table"`` link table (``impl`` resolved)."""
     if links.kind == "per_agent":
         raise ValueError("a per-agent link table is independent PPO: call independent_gae")
     if links.kind != "table":
         raise ValueError(f"unknown link table kind {links.kind!r}")
-    if (links.num_steps, links.num_agents) != (dims[layout.STEP], dims[layout.AGENT]):
-        raise ValueError(f"the link table is for {links.num_steps} step(s) x {links.num_agents} agent(s), the "
-                         f"backup's inputs are {dims[layout.STEP]} x {dims[layout.AGENT]}")
     if reference_semantics:
         raise ValueError("reference_semantics (G1's chained masks) applies to the chain links only, not to "
                          "a link table (team.layer_links=layer)")
