@@ -276,3 +276,22 @@ def test_table_errors_name_the_problem():
     loop = _table([[1, 0]], [[1, 0]], [[0, 0]], [[0, 0]])
     with pytest.raises(ValueError, match="cycle"):
         backups.link_plan(loop)
+
+
+def test_native_linked_program_is_one_custom_call():
+    """As for the chain: the jitted native link-table backup is the FFI call alone (the table is
+    a constant operand), so XLA's CPU runtime runs it inline."""
+    import re
+
+    if not native.status().available:
+        pytest.skip(f"native backup kernel unavailable: {native.status().reason}")
+    s_, b_, n_, k_ = 2, 3, 3, 4
+    args = (jax.ShapeDtypeStruct((s_, b_, n_, k_), jnp.float32),) * 2 + (
+        jax.ShapeDtypeStruct((s_, b_, n_, k_), bool),) + (jax.ShapeDtypeStruct((s_, b_), bool),) * 3 + (
+        jax.ShapeDtypeStruct((b_,), jnp.float32),)
+    fn = jax.jit(functools.partial(backups.marft_gae, impl="native", gamma=0.99, lam=0.95, links=MIXTURE))
+    hlo = fn.lower(*args).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    ops = [m.group(1) for m in re.finditer(r"%\S+ = (?:\([^)]*\)|\S+) ([a-z][a-z0-9-]*)\(", entry)]
+    assert ops.count("parameter") == 7 and ops.count("custom-call") == 1, entry
+    assert set(ops) <= {"parameter", "constant", "custom-call", "get-tuple-element", "tuple", "bitcast"}, entry
