@@ -62,6 +62,9 @@ class TeamSection:
     # The team graph: chain | independent | mixture | debate; null = the profile's own
     # `parents` if it has them, else chain (rollout.mode=parallel: independent).
     graph: Optional[str] = None
+    # How the agents of one layer are linked in the backup: chain (execution order, MARFT) |
+    # layer (each links to the next layer's first agent). Chain and independent graphs ignore it.
+    layer_links: str = "chain"
 
 
 @dataclass
@@ -313,6 +316,9 @@ def validate(cfg: Config) -> Config:
         need("team.graph", cfg.rollout.mode == "sequential" or cfg.team.graph == "independent",
              f"compatible with rollout.mode={cfg.rollout.mode!r} (parallel is the independent graph; set "
              "team.graph alone)")
+    from marft_jax.rl.topology import LAYER_LINKS
+
+    need("team.layer_links", cfg.team.layer_links in LAYER_LINKS, f"one of {list(LAYER_LINKS)}")
     need("task.level", 1 <= cfg.task.level <= 5, "in [1, 5]")
     for key in ("mesh.data", "mesh.fsdp", "mesh.tensor"):
         need(key, _get(cfg, key) == -1 or _get(cfg, key) >= 1, ">= 1, or -1 (the devices the other axes leave)")

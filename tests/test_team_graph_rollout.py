@@ -178,3 +178,50 @@ def test_the_critic_reads_the_joint_history_where_the_policy_reads_its_parents_o
         roles2 = ("a", "b")
         t2, _, _ = _play(_team(roles2, topo.named(name, roles2)), RolloutConfig(max_new_tokens=8))
         assert t2.critic_ctx_tokens is None and t2.critic_ctx_valid is None
+
+
+def test_layer_links_keep_each_agents_own_critic_context_and_give_the_backup_the_table():
+    """``team.layer_links=layer``: no joint critic contexts (the policy trajectory unchanged),
+    and the prepare step's backup program places the reward and backs up along the layer table."""
+    import jax.numpy as jnp
+
+    from marft_jax.rl import backups, layout, rewards
+    from marft_jax.train.prepare import AdvantageConfig, _advantages
+
+    roles = ("proposer_a", "proposer_b", "aggregator")
+    graph = topo.named("mixture", roles)
+    cfg = RolloutConfig(max_new_tokens=8, horizon=2)
+    chained, _, _ = _play(_team(roles, graph), cfg)
+    layered, _, _ = _play(dataclasses.replace(_team(roles, graph), layer_links="layer"), cfg)
+    assert chained.critic_ctx_tokens is not None
+    assert layered.critic_ctx_tokens is None and layered.critic_ctx_valid is None
+    for f in dataclasses.fields(layered):
+        if not f.name.startswith("critic_ctx"):
+            x, y = getattr(chained, f.name), getattr(layered, f.name)
+            assert (x is None and y is None) or np.array_equal(np.asarray(x), np.asarray(y)), f.name
+    with pytest.raises(ValueError, match="team.layer_links"):
+        dataclasses.replace(_team(roles, graph), layer_links="star")
+
+    t = layered
+    S, B, N, _, K = t.shape
+    value = jnp.asarray(np.random.default_rng(0).uniform(-1, 1, (S, B, N, K)), jnp.float32)
+    v_boot = jnp.asarray(np.random.default_rng(1).uniform(-1, 1, (B, N)), jnp.float32)
+    arrays = [jnp.asarray(x) for x in (t.act_valid, t.step_mask, t.score, t.agent_score, t.terminal, t.truncated)]
+    out = {}
+    for links in ("chain", "layer"):
+        acfg = AdvantageConfig(level="token", gamma=0.9, lam=0.8, reward_bias=1.0, topology=graph,
+                               layer_links=links)
+        out[links] = _advantages(value, arrays[0], *arrays[1:], v_boot, acfg=acfg)
+    table = graph.links(S, "layer")
+    dp = layout.token_decision_mask(arrays[0], arrays[1])
+    r = rewards.transform_reward(rewards.final_step_reward(arrays[2], arrays[1]), bias=1.0)
+    placed = rewards.place_reward(r, dp, arrays[1], links=table)
+    want = backups.marft_gae(placed, jnp.where(dp, value, 0.0), dp, arrays[1], arrays[4], arrays[5], v_boot[:, 0],
+                             gamma=0.9, lam=0.8, links=table)
+    _, _, got_placed, got_adv, got_ret = out["layer"]
+    np.testing.assert_array_equal(np.asarray(got_placed), np.asarray(placed))
+    np.testing.assert_allclose(np.asarray(got_adv), np.asarray(want.advantages), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got_ret), np.asarray(want.returns), atol=1e-6)
+    # proposer_a links to the aggregator (layer), not to proposer_b (chain): another advantage
+    adv_chain = np.asarray(out["chain"][3])
+    assert not np.allclose(adv_chain[:, :, 0], np.asarray(got_adv)[:, :, 0], atol=1e-3)

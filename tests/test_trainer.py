@@ -187,3 +187,27 @@ def test_graph_presets_train_on_the_tiny_model(tiny_dir, tmp_path, preset, calls
     assert summary["iterations"] == 1
     lines = [json.loads(line) for line in (tmp_path / preset / "metrics.jsonl").read_text().splitlines()]
     assert [m["rollout/sampler_calls"] for m in lines if "rollout/sampler_calls" in m] == [calls]
+
+
+def test_layer_links_reach_the_rollout_and_the_backup(tiny_dir, tmp_path):
+    """``team.layer_links=layer`` on demo-mixture: the team, the learner's advantage config and
+    its link table carry it (tests/test_link_backups.py checks the backups themselves,
+    tests/test_team_graph_rollout.py the rollout and the prepare step); a conflict with
+    ``algo.reference_semantics`` and a bad value are errors naming the keys."""
+    from marft_jax.train.build import build_run, build_team
+
+    over = tiny_overrides(tiny_dir, tmp_path, "layer", **{"team.layer_links": "layer"})
+    run = build_run(load_config("demo-mixture", over))
+    try:
+        assert run.team.layer_links == "layer"
+        acfg = run.learner.adv_cfg
+        assert acfg.layer_links == "layer" and acfg.topology == run.team.topology
+        table = acfg.links(2)
+        assert table.kind == "table" and table.succ.tolist() == [[2, 2, 3], [5, 5, 6]]
+    finally:
+        run.close()
+    assert build_team(load_config("demo-mixture", over[:1])).layer_links == "chain"
+    with pytest.raises(ConfigError, match="team.layer_links"):
+        load_config("demo-mixture", over + ["team.layer_links=star"])
+    with pytest.raises(ConfigError, match="algo.reference_semantics.*team.layer_links"):
+        build_team(load_config("demo-mixture", over + ["algo.reference_semantics=true"]))

@@ -68,6 +68,14 @@ Implementations (``impl``), all float32 and equal up to float rounding:
 * ``"auto"`` (default): ``"native"`` when the default backend is CPU with a single device and
   the kernel is available; otherwise ``"blocked"`` on CPU, ``"associative"`` elsewhere.
 
+Team graphs (``marft_gae(links=...)``, :mod:`marft_jax.rl.topology`): with a link table of
+``kind="table"`` (``team.layer_links=layer``) a response's last valid point links to the
+first valid point of its *successor* chunk instead of the next one in execution order
+(several responses may share one); chunks without valid points forward the link through their
+skip target; the link is cut where it leaves a terminal step. Every implementation above
+solves it (:func:`_solve_linked`; native: a second kernel handler). The chain table
+(``kind="chain"``) is the recurrence above, the very same program.
+
 The batch axis carries no dependency, so it may be sharded (``NamedSharding`` with
 ``P(None, "data")`` on ``[S, B, ...]`` inputs); outputs keep that sharding (XLA
 implementations; ``"auto"`` never picks ``"native"`` with several devices).
@@ -79,9 +87,11 @@ from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from marft_jax.rl import layout, native
+from marft_jax.rl.topology import LinkTable
 
 IMPLS = ("auto", "scan", "associative", "blocked", "native")
 
@@ -458,6 +468,185 @@ def _solve(pts: _Points, chunk_link, v_end, *, independent, gamma, lam, impl, un
 
 
 # ----------------------------------------------------------------------------------------------
+# Link tables (team graphs): a response's last point links to a successor chunk (Topology.links).
+
+
+class LinkPlan(NamedTuple):
+    """Host-side index arrays of a :class:`~marft_jax.rl.topology.LinkTable` (static per run).
+
+    Chunks ``c = s * N + i``, ``C = S * N`` the row's virtual end. ``order`` lists the chunks
+    so that every chunk comes after its successor and its skip target (the reverse pass's
+    visiting order).
+    """
+
+    order: np.ndarray        # [C] int32
+    succ: np.ndarray         # [C] int32 in [0, C]
+    skip: np.ndarray         # [C] int32 in [0, C]
+    succ_crosses: np.ndarray  # [C] bool
+    skip_crosses: np.ndarray  # [C] bool
+    num_steps: int
+    num_agents: int
+
+
+def link_plan(links: LinkTable) -> LinkPlan:
+    """The visiting order and flat index arrays of ``links`` (raises on a cycle or a bad index)."""
+    S, N = links.num_steps, links.num_agents
+    C = S * N
+    succ = np.asarray(links.succ, np.int64).reshape(C)
+    skip = np.asarray(links.skip, np.int64).reshape(C)
+    for name, t in (("succ", succ), ("skip", skip)):
+        bad = np.flatnonzero((t < 0) | (t > C) | (t == np.arange(C)))
+        if bad.size:
+            raise ValueError(f"link table: {name}[{int(bad[0])}] = {int(t[bad[0]])} is not another chunk "
+                             f"or the end {C}")
+    order: list[int] = []
+    state = np.zeros(C, np.int8)                       # 0 new, 1 on the stack, 2 placed
+    for root in range(C - 1, -1, -1):
+        stack = [root]
+        while stack:
+            d = stack[-1]
+            if state[d] == 0:
+                state[d] = 1
+            deps = [int(t) for t in (succ[d], skip[d]) if t < C and state[t] != 2]
+            if any(state[t] == 1 for t in deps):
+                raise ValueError(f"link table: chunk {d} links back into a cycle")
+            if deps:
+                stack.append(deps[0])
+            else:
+                state[d] = 2
+                order.append(d)
+                stack.pop()
+    return LinkPlan(np.asarray(order, np.int32), succ.astype(np.int32), skip.astype(np.int32),
+                    np.asarray(links.succ_crosses, bool).reshape(C),
+                    np.asarray(links.skip_crosses, bool).reshape(C), S, N)
+
+
+def chunk_recurrence(a: jax.Array, b: jax.Array, nxt: jax.Array, end: jax.Array, order: np.ndarray,
+                     *, method: str = "scan") -> jax.Array:
+    """Solves ``x_c = a_c + b_c * x_{nxt_c}`` over the chunks of a link table, ``x_C = end``.
+
+    Args:
+      a, b: ``[C, R]`` float32 (chunk-major, ``layout.time_major_decisions`` at action level).
+      nxt: ``[C, R]`` int32 pointers into ``[0, C]``; every pointer leads to a chunk visited
+        earlier in ``order`` (or to the end ``C``), so the pointers form a forest rooted at C.
+      end: ``[R]`` float32, x at the virtual end.
+      order: ``[C]`` static visiting order (:func:`link_plan`).
+      method: ``"scan"`` (one ``lax.scan`` over ``order``, unrolled: C is small) or ``"jump"``
+        (pointer jumping: ``ceil(log2 C)`` rounds of gathers, log depth).
+
+    Returns:
+      ``[C + 1, R]`` float32, x per chunk, then the end.
+    """
+    C, R = a.shape
+    if method == "scan":
+        cols = jnp.arange(R)
+        buf = jnp.zeros((C + 1, R), jnp.float32).at[C].set(end)
+
+        def visit(buf, xs):
+            d, a_d, b_d, n_d = xs
+            return lax.dynamic_update_index_in_dim(buf, a_d + b_d * buf[n_d, cols], d, 0), None
+
+        o = jnp.asarray(order)
+        buf, _ = lax.scan(visit, buf, (o, a[o], b[o], nxt[o]), unroll=True)
+        return buf
+    if method != "jump":
+        raise ValueError(f"chunk_recurrence: method must be 'scan' or 'jump', got {method!r}")
+    # x_c = A_c + B_c x_{P_c}; each round substitutes x_{P_c}, doubling the hops (C -> C absorbs).
+    A = jnp.concatenate([a, end[None]], axis=0)
+    Bf = jnp.concatenate([b, jnp.zeros((1, R), jnp.float32)], axis=0)
+    P = jnp.concatenate([nxt, jnp.full((1, R), C, nxt.dtype)], axis=0)
+    take = lambda x: jnp.take_along_axis(x, P, axis=0)
+    for _ in range(max(1, C.bit_length())):            # static: 2^rounds > C >= longest path
+        A, Bf, P = A + Bf * take(A), Bf * take(Bf), take(P)
+    return A + Bf * take(A)
+
+
+def link_targets(has: jax.Array, plan: LinkPlan) -> tuple[jax.Array, jax.Array]:
+    """Per-chunk pointers of the resolved recurrence: ``[C, B]`` int32 ``where(has, succ, skip)``
+    and the chunk-major ``has`` (``[S, B, N]`` bool in)."""
+    has_c = layout.time_major_decisions(has, "action")                 # [C, B]
+    nxt = jnp.where(has_c, jnp.asarray(plan.succ)[:, None], jnp.asarray(plan.skip)[:, None])
+    return nxt.astype(jnp.int32), has_c
+
+
+def _solve_linked(pts: _Points, plan: LinkPlan, v_end, *, gamma, lam, impl):
+    """A table backup (``impl`` an XLA one). Returns token-shaped ``[S, B, N, K]`` (adv, ret).
+
+    Per chunk the link target is ``succ`` resolved through ``skip`` past chunks without valid
+    points (to the end ``C`` at worst); the link is cut (factor 0) iff it, or a skip on the
+    way, leaves a terminal step. Four phases, none with a loop over tokens:
+
+    1. chunk recurrences (:func:`chunk_recurrence`): the first valid value ``V_in`` and the
+       "not cut" factor ``keep_in`` seen at every chunk (the end: ``v_end``, 1);
+    2. inside each response, with the successor's advantage set to 0, the advantages ``A0``
+       (``scan``/``associative``: :func:`gae_rows` over the token axis; ``blocked``: closed
+       form) and their gain ``G_k = c * (gamma lam)^(valid points from k on)`` on that
+       advantage;
+    3. the advantage at each chunk's first valid point, ``A_in = A0_first + G_first *
+       A_in[succ]``, as a chunk recurrence;
+    4. ``A = A0 + G * A_in[succ]`` on every valid point.
+    """
+    f32 = jnp.float32
+    r, v, valid, length, has = pts.r, pts.v, pts.valid, pts.length, pts.has
+    s_, b_, n_, k_ = r.shape
+    gamma = jnp.asarray(gamma, f32)
+    gl = gamma * jnp.asarray(lam, f32)
+    method = "jump" if impl == "associative" else "scan"
+    to_c = lambda x: layout.time_major_decisions(x, "action")          # [S, B, N] -> [C, B]
+    from_c = lambda x: layout.from_time_major_decisions(x, (s_, n_))  # [C, B] -> [S, B, N]
+    succ = jnp.asarray(plan.succ)
+    term_c = to_c(jnp.broadcast_to(pts.terminal[:, :, None], has.shape))
+    nxt, has_c = link_targets(has, plan)
+
+    first = jnp.argmax(valid, axis=-1)[..., None]                       # [S, B, N, 1]
+    v_first = to_c(jnp.where(has, jnp.take_along_axis(v, first, axis=-1)[..., 0], 0.0))
+    v_in = chunk_recurrence(v_first, jnp.where(has_c, 0.0, 1.0), nxt, v_end, plan.order, method=method)
+    skip_keep = 1.0 - jnp.logical_and(jnp.asarray(plan.skip_crosses)[:, None], term_c).astype(f32)
+    keep_in = chunk_recurrence(jnp.where(has_c, 1.0, 0.0), jnp.where(has_c, 0.0, skip_keep), nxt,
+                               jnp.ones_like(v_end), plan.order, method=method)
+    succ_keep = 1.0 - jnp.logical_and(jnp.asarray(plan.succ_crosses)[:, None], term_c).astype(f32)
+    chunk_link = from_c(succ_keep * keep_in[succ])                      # [S, B, N]
+    v_next = from_c(v_in[succ])                                         # [S, B, N]
+
+    if impl == "blocked":
+        k = jnp.arange(k_, dtype=jnp.int32)
+        is_last = k == (length - 1)[..., None]
+        v_shift = jnp.concatenate([v[..., 1:], jnp.zeros_like(v[..., :1])], axis=-1)
+        nv = jnp.where(is_last, (chunk_link * v_next)[..., None], v_shift)
+        a0 = discounted_suffix_sum(jnp.where(valid, r + gamma * nv - v, 0.0), gl)
+    else:
+        link = jnp.where(_last_valid(valid), chunk_link[..., None], 1.0)
+        rows = lambda x: x.reshape(-1, k_)
+        a0 = gae_rows(rows(r), rows(v), rows(valid), rows(link), v_next.reshape(-1),
+                      gamma=gamma, lam=lam, impl=impl).reshape(r.shape)
+    ahead = length[..., None] - jnp.cumsum(valid, axis=-1, dtype=jnp.int32) + valid   # points k.. end
+    gain = jnp.where(valid, chunk_link[..., None] * jnp.power(gl, ahead.astype(f32)), 0.0)
+
+    a0_first = to_c(jnp.where(has, jnp.take_along_axis(a0, first, axis=-1)[..., 0], 0.0))
+    g_first = to_c(jnp.where(has, chunk_link * jnp.power(gl, length.astype(f32)), 0.0))
+    a_in = chunk_recurrence(a0_first, jnp.where(has_c, g_first, 1.0), nxt, jnp.zeros_like(v_end),
+                            plan.order, method=method)
+    a_next = from_c(a_in[succ])                                          # [S, B, N]
+    adv = jnp.where(valid, a0 + gain * a_next[..., None], 0.0)
+    return adv, jnp.where(valid, adv + v, 0.0)
+
+
+def _native_linked(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, plan: LinkPlan, *,
+                   gamma, lam) -> Backup:
+    """``impl="native"`` with a link table (token-shaped, then reshaped)."""
+    adv, ret = native.backup_linked(_tokens(reward), _tokens(value), _tokens(dp_mask), step_mask,
+                                    terminal, truncated, v_boot, native_table(plan), gamma=gamma, lam=lam)
+    return Backup(adv.reshape(value.shape), ret.reshape(value.shape))
+
+
+def native_table(plan: LinkPlan) -> np.ndarray:
+    """``[4, C]`` int32 for the native kernel: visiting order, successor, skip target, and the
+    crossing flags (bit 0: the successor link leaves the step, bit 1: the skip link does)."""
+    flags = plan.succ_crosses.astype(np.int32) | (plan.skip_crosses.astype(np.int32) << 1)
+    return np.stack([plan.order, plan.succ, plan.skip, flags]).astype(np.int32)
+
+
+# ----------------------------------------------------------------------------------------------
 # MARFT backups (chained: token -> agent -> step).
 
 
@@ -475,8 +664,10 @@ def marft_gae(
     impl: str = "auto",
     reference_semantics: bool = False,
     unroll: int = 1,
+    links: LinkTable | None = None,
 ) -> Backup:
-    """Chained MARFT backup at action or token level (level read from the rank of ``value``).
+    """MARFT backup at action or token level (level read from the rank of ``value``), chained
+    in execution order or along a team graph's link table.
 
     Args:
       reward: ``[S, B, N]`` (action) or ``[S, B, N, K]`` (token) float, placed rewards
@@ -492,7 +683,16 @@ def marft_gae(
       impl: ``"auto"`` | ``"scan"`` | ``"associative"`` | ``"blocked"`` | ``"native"``
         (module doc).
       reference_semantics: reproduce G1's masks (quirk #10) and bootstrap (module doc).
-      unroll: ``lax.scan`` unroll (``impl="scan"``).
+      unroll: ``lax.scan`` unroll (``impl="scan"``, chained links).
+      links: the team graph's link table for ``S`` steps and ``N`` agents
+        (:meth:`~marft_jax.rl.topology.Topology.links`, static). None or ``kind="chain"``: the
+        chained recurrence above (exactly the same program). ``kind="table"`` (e.g.
+        ``team.layer_links=layer``): a response's last valid point links to the first valid
+        point of its successor chunk, resolved through the skip targets past responses
+        without valid points; the link is cut iff it or a skip on the way leaves a terminal
+        step; several responses may share a successor (:func:`_solve_linked`). Bootstrap as
+        above; ``reference_semantics`` applies to the chain only. ``kind="per_agent"`` is
+        :func:`independent_gae`.
 
     Returns:
       :class:`Backup` ``(advantages, returns)``, float32, shaped like ``value``, zero on invalid
@@ -502,6 +702,13 @@ def marft_gae(
     dims = _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level)
     layout.assert_layout(v_boot, "v_boot", (layout.BATCH,), sizes=dims)
     impl = resolve_impl(impl)
+    if links is not None and (links.num_steps, links.num_agents) != (dims[layout.STEP], dims[layout.AGENT]):
+        raise ValueError(f"the link table is for {links.num_steps} step(s) x {links.num_agents} agent(s), the "
+                         f"backup's inputs are {dims[layout.STEP]} x {dims[layout.AGENT]}")
+    if links is not None and links.kind != "chain":
+        return _marft_gae_linked(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, links,
+                                 gamma=gamma, lam=lam, impl=impl,
+                                 reference_semantics=reference_semantics)
     if impl == "native":
         return _native(reward, value, dp_mask, step_mask, terminal, truncated, v_boot,
                        independent=False, reference_semantics=reference_semantics,
@@ -512,6 +719,27 @@ def marft_gae(
     v_end = jnp.where(use_boot, v_boot.astype(jnp.float32), 0.0)
     adv, ret = _solve(pts, chunk_link, v_end, independent=False,
                       gamma=gamma, lam=lam, impl=impl, unroll=unroll)
+    return Backup(adv.reshape(value.shape), ret.reshape(value.shape))
+
+
+def _marft_gae_linked(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, links: LinkTable, *,
+                      gamma, lam, impl, reference_semantics) -> Backup:
+    """:func:`marft_gae` along a ``kind="table"`` link table (``impl`` resolved)."""
+    if links.kind == "per_agent":
+        raise ValueError("a per-agent link table is independent PPO: call independent_gae")
+    if links.kind != "table":
+        raise ValueError(f"unknown link table kind {links.kind!r}")
+    if reference_semantics:
+        raise ValueError("reference_semantics (G1's chained masks) applies to the chain links only, not to "
+                         "a link table (team.layer_links=layer)")
+    plan = link_plan(links)
+    if impl == "native":
+        return _native_linked(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, plan,
+                              gamma=gamma, lam=lam)
+    pts = _prepare(reward, value, dp_mask, step_mask, terminal)
+    use_boot = _row_end(pts.step_mask, pts.terminal, truncated.astype(bool), False)
+    v_end = jnp.where(use_boot, v_boot.astype(jnp.float32), 0.0)
+    adv, ret = _solve_linked(pts, plan, v_end, gamma=gamma, lam=lam, impl=impl)
     return Backup(adv.reshape(value.shape), ret.reshape(value.shape))
 
 

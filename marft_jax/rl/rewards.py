@@ -14,7 +14,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from marft_jax.rl import layout
+from marft_jax.rl import backups, layout
+from marft_jax.rl.topology import LinkTable
 
 REWARD_TO = ("last", "all")
 
@@ -63,6 +64,7 @@ def place_reward(
     step_mask: jax.Array,
     *,
     reward_to: str = "last",
+    links: LinkTable | None = None,
 ) -> jax.Array:
     """Places each row's (transformed) reward on decision points of its final step.
 
@@ -77,6 +79,15 @@ def place_reward(
 
     ``reward_to="all"`` (G2): every agent gets a copy at its own last valid decision point of
     step s*; agents with no tokens at s* get nothing (the copy is dropped).
+
+    ``links`` (a team graph's link table, static; None or ``kind="chain"``: the placements
+    above). With ``kind="table"`` and ``reward_to="last"``, every response with a valid point
+    whose link leads to the row's end (its successor, resolved through the skip targets past
+    responses without valid points, is the virtual end, as in ``backups.marft_gae``) gets a
+    copy at its last valid point: with ``team.layer_links=layer``, every agent of the last
+    layer of step s* that produced tokens (``Topology.reward_receivers``); if none did, every
+    responding agent of the layer before, and so on. On the chain table that rule is exactly
+    the ``"last"`` placement above.
 
     Args:
       reward: ``[B]`` float, the team reward per row, or ``[B, N]`` per-agent rewards
@@ -108,6 +119,8 @@ def place_reward(
     s_star = layout.last_played_step(step_mask)                        # [B]
     num_steps = dp_mask.shape[0]
 
+    if reward_to == "last" and links is not None and links.kind == "table":
+        return _place_at_link_ends(reward, valid, links, level)
     if reward_to == "last":
         flat = layout.flatten_decisions(valid, level)                  # [B, P]
         per_step = flat.shape[1] // num_steps
@@ -130,6 +143,29 @@ def place_reward(
     hit = jnp.logical_and(k == last_k[..., None], last_k[..., None] >= 0)
     hit = jnp.logical_and(hit, at_final[:, :, None, None])
     return jnp.where(hit, r[None, :, :, None], 0.0)
+
+
+def _place_at_link_ends(reward: jax.Array, valid: jax.Array, links: LinkTable, level: str) -> jax.Array:
+    """``reward [B]`` on the last valid point of every response whose link resolves to the end
+    (:func:`place_reward`); ``valid`` ``[S, B, N(, K)]`` bool (dp_mask & step_mask)."""
+    S, N = valid.shape[0], valid.shape[2]
+    if (links.num_steps, links.num_agents) != (S, N):
+        raise ValueError(f"the link table is for {links.num_steps} step(s) x {links.num_agents} agent(s), the "
+                         f"rewards' decision points are {S} x {N}")
+    plan = backups.link_plan(links)
+    has = valid if level == "action" else jnp.any(valid, axis=-1)      # [S, B, N]
+    nxt, has_c = backups.link_targets(has, plan)
+    ones = jnp.ones(has.shape[1], jnp.float32)
+    # 1 at a link target from which the skips reach the end without meeting a valid point.
+    ends = backups.chunk_recurrence(jnp.zeros(has_c.shape, jnp.float32), jnp.where(has_c, 0.0, 1.0), nxt,
+                                    ones, plan.order)
+    hit = jnp.logical_and(has, layout.from_time_major_decisions(ends[jnp.asarray(plan.succ)] > 0.5, (S, N)))
+    if level == "action":
+        return jnp.where(hit, reward[None, :, None], 0.0)
+    k = jnp.arange(valid.shape[-1], dtype=jnp.int32)
+    last_k = jnp.max(jnp.where(valid, k, -1), axis=-1)                 # [S, B, N]
+    at = jnp.logical_and(k == last_k[..., None], hit[..., None])
+    return jnp.where(at, reward[None, :, None, None], 0.0)
 
 
 def mix_independent_rewards(reward: jax.Array, weight: float = 0.5) -> jax.Array:

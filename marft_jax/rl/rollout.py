@@ -102,13 +102,20 @@ class RolloutTexts:
 
 @dataclasses.dataclass(frozen=True)
 class Team:
-    """Profiles of the team: role names, system prompts, answering agent, and the team graph
-    (None: the chain, or independent agents in ``parallel`` mode)."""
+    """Profiles of the team: role names, system prompts, answering agent, the team graph
+    (None: the chain, or independent agents in ``parallel`` mode) and how the agents of one
+    layer are linked (``team.layer_links``: ``chain`` gives non-chain graphs a joint-history
+    critic context, ``layer`` keeps each agent's own context for the critic)."""
 
     roles: tuple[str, ...]
     system_prompts: tuple[str, ...]
     answer_agent: int
     topology: topo.Topology | None = None
+    layer_links: str = "chain"
+
+    def __post_init__(self) -> None:
+        if self.layer_links not in topo.LAYER_LINKS:
+            raise ValueError(f"team.layer_links must be one of {topo.LAYER_LINKS}, got {self.layer_links!r}")
 
     @property
     def num_agents(self) -> int:
@@ -149,7 +156,8 @@ def rollout(
         raise ValueError(f"the team graph has {graph.num_agents} agents, the team {N}")
     calls_made = 0
     # agents whose critic state is the joint history, not their own context
-    joint = [i for i in range(N) if graph.critic_reads_all_earlier("chain") and graph.parents[i] != tuple(range(i))]
+    joint = [i for i in range(N)
+             if graph.critic_reads_all_earlier(team.layer_links) and graph.parents[i] != tuple(range(i))]
     critic_ctx: dict[tuple[int, int, int], list[int]] = {}
     K = max(cfg.budget(i) for i in range(N))
     ctx: dict[tuple[int, int, int], list[int]] = {}

@@ -35,7 +35,9 @@ A profile file may instead give ``parents`` per role (role names), see
   argument on every DAG, the graph only restricting what each policy conditions on.
 * ``layer``: every agent of a layer links to the layer's successor (the first agent with
   tokens of the next layer, or of the next step's first layer) and the critic reads each
-  agent's own context. Cheaper (no joint-state contexts) and symmetric between siblings, but
+  agent's own context (``backups.marft_gae(links=...)``, ``rewards.place_reward(links=...)``
+  consume the table on every implementation). Cheaper (no joint-state contexts) and symmetric
+  between siblings, but
   each sibling's advantage then also carries the other siblings' effect on the next layer's
   value: the decomposition above no longer sums to the joint advantage.
 """
@@ -88,13 +90,16 @@ class LinkTable:
     def num_agents(self) -> int:
         return int(self.succ.shape[1])
 
+    def _key(self) -> tuple:
+        return (self.kind, self.succ.shape) + tuple(
+            np.asarray(x, np.int64).tobytes()
+            for x in (self.succ, self.skip, self.succ_crosses, self.skip_crosses))
+
     def __hash__(self) -> int:   # static argument of jitted programs
-        return hash((self.kind, self.succ.tobytes(), self.skip.tobytes(), self.succ.shape))
+        return hash(self._key())
 
     def __eq__(self, other) -> bool:
-        return (isinstance(other, LinkTable) and self.kind == other.kind
-                and self.succ.shape == other.succ.shape
-                and np.array_equal(self.succ, other.succ) and np.array_equal(self.skip, other.skip))
+        return isinstance(other, LinkTable) and self._key() == other._key()
 
 
 @dataclasses.dataclass(frozen=True)

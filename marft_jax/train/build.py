@@ -61,12 +61,17 @@ def build_team(cfg: Config) -> Team:
     graph = topology.resolve(cfg.team.graph, roles=prof.roles, answer_agent=answer, profile_parents=prof.parents,
                              num_agents=cfg.team.num_agents, mode=cfg.rollout.mode,
                              source=f"team.graph (profile {prof.name!r})")
-    if cfg.ppo.critic_lora and graph.critic_reads_all_earlier("chain"):
+    if cfg.ppo.critic_lora and graph.critic_reads_all_earlier(cfg.team.layer_links):
         raise ConfigError(f"ppo.critic_lora is not supported with the team graph of profile {prof.name!r} "
                           f"(team.graph={cfg.team.graph!r}): its critic reads the joint history, which the "
-                          "critic-LoRA update does not carry yet; use the chain or independent graph, or "
-                          "ppo.critic_lora=false")
-    return Team(roles=prof.roles, system_prompts=prof.system_prompts, answer_agent=answer, topology=graph)
+                          "critic-LoRA update does not carry yet; use the chain or independent graph, "
+                          "team.layer_links=layer, or ppo.critic_lora=false")
+    if cfg.algo.reference_semantics and graph.links(1, cfg.team.layer_links).kind == "table":
+        raise ConfigError(f"algo.reference_semantics (G1's chained masks) needs chained links, but "
+                          f"team.layer_links={cfg.team.layer_links!r} on the team graph of profile {prof.name!r} "
+                          "links the agents of a layer to a shared successor; set one of them back")
+    return Team(roles=prof.roles, system_prompts=prof.system_prompts, answer_agent=answer, topology=graph,
+                layer_links=cfg.team.layer_links)
 
 
 def model_dtype(cfg: Config):
@@ -169,7 +174,8 @@ def build_run(cfg: Config) -> Run:
                                 reward_clip=cfg.algo.reward_clip, independent=team.topology.independent,
                                 ippo_own_weight=cfg.algo.ippo_own_weight,
                                 reference_semantics=cfg.algo.reference_semantics, temperature=r.temperature,
-                                logp_old=cfg.ppo.logp_old),
+                                logp_old=cfg.ppo.logp_old, topology=team.topology,
+                                layer_links=cfg.team.layer_links),
         pack_sequences=cfg.ppo.pack_sequences,
         schedule=ScheduleConfig(agent_schedule=cfg.ppo.agent_schedule, interval=cfg.ppo.interval,
                                 interval_offset=cfg.ppo.interval_offset, critic_warmup=cfg.ppo.critic_warmup),

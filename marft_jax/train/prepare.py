@@ -26,6 +26,7 @@ from marft_jax.models.config import ModelConfig
 from marft_jax.models.critic import CriticParams, value_head
 from marft_jax.models.lora import LoraStack
 from marft_jax.rl import backups, layout, packing, rewards
+from marft_jax.rl import topology as topo
 from marft_jax.rl.trajectory import Trajectory
 from marft_jax.rl.update import UpdateBatch
 
@@ -50,10 +51,20 @@ class AdvantageConfig:
     chunk: int = 128
     tokens_per_call: int = 4096         # packed slots per forward call (memory bound)
     logp_old: str = "sampler"           # sampler | recompute
+    topology: topo.Topology | None = None   # the team graph (None: the chain)
+    layer_links: str = "chain"          # team.layer_links: chain | layer
 
     def __post_init__(self) -> None:
         if self.logp_old not in LOGP_OLD_SOURCES:
             raise ValueError(f"ppo.logp_old must be one of {LOGP_OLD_SOURCES}, got {self.logp_old!r}")
+        if self.layer_links not in topo.LAYER_LINKS:
+            raise ValueError(f"team.layer_links must be one of {topo.LAYER_LINKS}, got {self.layer_links!r}")
+
+    def links(self, num_steps: int) -> topo.LinkTable | None:
+        """The backup's link table for ``num_steps`` steps; None for the chain (no graph)."""
+        if self.topology is None or self.independent:
+            return None
+        return self.topology.links(num_steps, self.layer_links)
 
 
 @dataclasses.dataclass
@@ -261,10 +272,11 @@ def _advantages(value, act_valid, step_mask, score, agent_score, terminal, trunc
     else:
         r = rewards.final_step_reward(score, step_mask)                               # [B]
         r = rewards.transform_reward(r, bias=acfg.reward_bias, scale=acfg.reward_scale, clip=acfg.reward_clip)
-        placed = rewards.place_reward(r, dp, step_mask, reward_to=acfg.reward_to)
+        links = acfg.links(step_mask.shape[0])                                         # static
+        placed = rewards.place_reward(r, dp, step_mask, reward_to=acfg.reward_to, links=links)
         adv, ret = backups.marft_gae(placed, value, dp, step_mask, terminal, truncated, v_boot[:, 0],
                                      gamma=acfg.gamma, lam=acfg.lam,
-                                     reference_semantics=acfg.reference_semantics)
+                                     reference_semantics=acfg.reference_semantics, links=links)
     return value, dp, placed, adv, ret
 
 

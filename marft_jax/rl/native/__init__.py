@@ -1,9 +1,11 @@
 """Fused native CPU kernel for the Bellman backups, through the XLA FFI.
 
-``backups_kernel.cc`` (next to this file) holds one FFI handler computing a whole backup from
+``backups_kernel.cc`` (next to this file) holds two FFI handlers, each computing a whole backup from
 the raw inputs: validity (``dp_mask & step_mask``), per-response valid prefixes, the link
 factors (terminal cuts, ``reference_semantics`` quirk #10), the row-end bootstrap value and
-the advantages and returns, in one reverse pass per row on the ``[S, B, N, K]`` layout. The
+the advantages and returns, in one reverse pass per row on the ``[S, B, N, K]`` layout: the
+chained/independent one (:func:`backup`) and the link-table one (:func:`backup_linked`, team
+graphs with ``team.layer_links=layer``). The
 jitted program of a native backup is therefore this one custom call (reshapes aside), which
 XLA's CPU runtime executes inline on the calling thread instead of dispatching it to a worker
 (it would for a program with enough other ops). The library is built
@@ -41,6 +43,7 @@ import numpy as np
 SOURCE = Path(__file__).with_name("backups_kernel.cc")
 FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast", "-Wno-psabi")
 TARGET, SYMBOL = "marft_backup", "MarftBackup"     # FFI target name, exported handler
+LINKED_TARGET, LINKED_SYMBOL = "marft_backup_linked", "MarftBackupLinked"   # link-table backups
 
 
 class NativeUnavailable(RuntimeError):
@@ -157,6 +160,8 @@ def _load_and_register() -> Status:
         path, compiled, compile_s = build()
         lib = ctypes.CDLL(str(path))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
+        jax.ffi.register_ffi_target(LINKED_TARGET, jax.ffi.pycapsule(getattr(lib, LINKED_SYMBOL)),
+                                    platform="cpu")
     except (NativeUnavailable, OSError, AttributeError) as e:
         return Status(available=False, reason=str(e))
     return Status(available=True, library=str(path), compiled=compiled, compile_s=compile_s,
@@ -222,3 +227,29 @@ def backup(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, *, ga
                 jnp.asarray(lam, f32), independent=np.int32(bool(independent)),
                 reference_semantics=np.int32(bool(reference_semantics)),
                 max_width=np.int32(max_width))
+
+
+def backup_linked(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, table, *, gamma, lam,
+                  max_width: int = 0) -> tuple[jax.Array, jax.Array]:
+    """The backup along a link table in one fused call (``backups.marft_gae(links=...)``).
+
+    Args:
+      reward, value, dp_mask, step_mask, terminal, truncated: as in :func:`backup`.
+      v_boot: ``[B]`` float.
+      table: ``[4, S*N]`` int32 (``backups.native_table``): the chunks' visiting order (each
+        after its successor and skip target), successor, skip target, crossing flags (bit 0:
+        the successor link leaves the step, bit 1: the skip link does).
+      gamma, lam, max_width: as in :func:`backup`.
+
+    Returns:
+      ``(advantages, returns)``, ``[S, B, N, K]`` float32, zero off valid points.
+    """
+    require()
+    f32 = jnp.float32
+    as_f32 = lambda x: x if x.dtype == f32 else x.astype(f32)
+    as_bool = lambda x: x if x.dtype == jnp.bool_ else x.astype(bool)
+    out = jax.ShapeDtypeStruct(value.shape, f32)
+    call = jax.ffi.ffi_call(LINKED_TARGET, (out, out), vmap_method="sequential")
+    return call(as_f32(reward), as_f32(value), as_bool(dp_mask), as_bool(step_mask),
+                as_bool(terminal), as_bool(truncated), as_f32(v_boot), jnp.asarray(table, jnp.int32),
+                jnp.asarray(gamma, f32), jnp.asarray(lam, f32), max_width=np.int32(max_width))

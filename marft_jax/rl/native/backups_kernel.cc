@@ -26,6 +26,15 @@
 // * v_end = v_boot[row] iff the row's last played step s* exists and (reference_semantics ?
 //   !t_{s*} : truncated_{s*} & !t_{s*}); else 0.
 //
+// * Link tables (second handler, MarftBackupLinked; team graphs, marft_jax.rl.topology): row b
+//   visits its chunks c = s N + i in a given order (every chunk after its successor and skip
+//   target) and keeps, per chunk and for the end C, the value, advantage and "not cut" flag
+//   seen at that link target: a chunk with a valid point stores its first valid point's
+//   (V, A) and 1; an empty one forwards its skip target's, with the flag cleared if the skip
+//   leaves a terminal step. A chunk with a valid point starts its response from its
+//   successor's entry (c = 0 if that flag is clear or the successor link leaves a terminal
+//   step). The end holds (v_end, 0, 1).
+//
 // Prefix responses take a vectorised path that never reads the mask or anything past the last
 // valid token (pads may hold NaN); any other response takes a scalar path that selects on the
 // mask point by point.
@@ -44,6 +53,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -178,6 +188,7 @@ struct Problem {
   bool independent;
   bool reference_semantics;
   int width;                // vector width of the prefix path (PickWidth)
+  const int32_t* table = nullptr;   // [4, S N]: order, succ, skip, crossing flags (linked only)
 };
 
 // Valid-prefix length of a played response's K mask bytes: K' if the valid tokens are exactly
@@ -364,21 +375,67 @@ MARFT_INLINE void SolveRows(const Problem& p, int64_t row0, int64_t row1) {
   }
 }
 
+// Link-table rows (see the header): chained rows b, chunks visited in the table's order.
+template <class V>
+MARFT_INLINE void SolveRowsLinked(const Problem& p, int64_t row0, int64_t row1) {
+  const Consts<V> cs(p.gamma, p.gl);
+  const int64_t C = p.S * p.N;
+  const int32_t *order = p.table, *succ = p.table + C, *skip = p.table + 2 * C,
+                *flags = p.table + 3 * C;
+  std::vector<float> v_in(C + 1), a_in(C + 1);
+  std::vector<unsigned char> keep(C + 1);
+  for (int64_t row = row0; row < row1; ++row) {
+    const int64_t b = row;
+    v_in[C] = EndValue(p, b, row);
+    a_in[C] = 0.f;
+    keep[C] = 1;
+    for (int64_t t = 0; t < C; ++t) {
+      const int64_t d = order[t], s = d / p.N, sb = s * p.B + b;
+      const int64_t idx = sb * p.N + d % p.N;
+      const bool played = p.step_mask[sb];
+      const bool term = played && p.terminal[sb];
+      const int64_t len = played ? Span(p.mask + idx * p.K, p.K) : 0;
+      if (len == 0) {
+        ResponsePrefix<V>(p, cs, idx * p.K, 0, 0.f, v_in[d], a_in[d]);   // zeros the outputs
+        const int64_t e = skip[d];
+        v_in[d] = v_in[e];
+        a_in[d] = a_in[e];
+        keep[d] = keep[e] && !(term && (flags[d] & 2));
+        continue;
+      }
+      const int64_t e = succ[d];
+      float nv = v_in[e], na = a_in[e];
+      const float c = keep[e] && !(term && (flags[d] & 1)) ? 1.f : 0.f;
+      if (len > 0) {
+        ResponsePrefix<V>(p, cs, idx * p.K, len, c, nv, na);
+      } else {
+        ResponseMasked(p, idx * p.K, c, nv, na);
+      }
+      v_in[d] = nv;
+      a_in[d] = na;
+      keep[d] = 1;
+    }
+  }
+}
+
 // One instantiation per vector width, each compiled for its instruction set and picked at run
 // time (the library itself is built for the baseline ISA).
 #if defined(__x86_64__) || defined(__i386__)
 __attribute__((target("avx512f,avx2,fma"), flatten)) void SolveRows16(const Problem& p,
                                                                       int64_t r0, int64_t r1) {
+  if (p.table) return SolveRowsLinked<v16f>(p, r0, r1);
   SolveRows<v16f>(p, r0, r1);
 }
 
 __attribute__((target("avx2,fma"), flatten)) void SolveRows8(const Problem& p, int64_t r0,
                                                              int64_t r1) {
+  if (p.table) return SolveRowsLinked<v8f>(p, r0, r1);
   SolveRows<v8f>(p, r0, r1);
 }
 #endif
 
 __attribute__((flatten)) void SolveRows4(const Problem& p, int64_t r0, int64_t r1) {
+  if (p.table) return SolveRowsLinked<v4f>(p, r0, r1);
   SolveRows<v4f>(p, r0, r1);
 }
 
@@ -449,6 +506,54 @@ ffi::Error BackupImpl(ffi::Buffer<ffi::F32> reward, ffi::Buffer<ffi::F32> value,
   return ffi::Error::Success();
 }
 
+// The chained backup along a link table (MarftBackupLinked): table [4, S N] int32 as in the
+// header; rows are the batch rows (v_boot [B]).
+ffi::Error BackupLinkedImpl(ffi::Buffer<ffi::F32> reward, ffi::Buffer<ffi::F32> value,
+                            ffi::Buffer<ffi::PRED> dp, ffi::Buffer<ffi::PRED> step_mask,
+                            ffi::Buffer<ffi::PRED> terminal, ffi::Buffer<ffi::PRED> truncated,
+                            ffi::Buffer<ffi::F32> v_boot, ffi::Buffer<ffi::S32> table,
+                            ffi::BufferR0<ffi::F32> gamma, ffi::BufferR0<ffi::F32> lam,
+                            int32_t max_width, ffi::ResultBuffer<ffi::F32> adv,
+                            ffi::ResultBuffer<ffi::F32> ret) {
+  const auto d = value.dimensions();
+  if (d.size() != 4) return ffi::Error::InvalidArgument("backup: value must be [S, B, N, K]");
+  if (!SameDims(reward.dimensions(), d) || !SameDims(dp.dimensions(), d) ||
+      !SameDims(adv->dimensions(), d) || !SameDims(ret->dimensions(), d)) {
+    return ffi::Error::InvalidArgument("backup: reward, dp_mask and outputs must match value");
+  }
+  const int64_t S = d[0], B = d[1], N = d[2], K = d[3];
+  const int64_t per_step[2] = {S, B};
+  const ffi::Span<const int64_t> sb(per_step, 2);
+  if (!SameDims(step_mask.dimensions(), sb) || !SameDims(terminal.dimensions(), sb) ||
+      !SameDims(truncated.dimensions(), sb)) {
+    return ffi::Error::InvalidArgument("backup: step_mask, terminal, truncated must be [S, B]");
+  }
+  const auto ed = v_boot.dimensions();
+  if (ed.size() != 1 || ed[0] != B) {
+    return ffi::Error::InvalidArgument("backup: v_boot must be [B] with a link table");
+  }
+  const int64_t C = S * N;
+  const int64_t table_dims[2] = {4, C};
+  if (!SameDims(table.dimensions(), ffi::Span<const int64_t>(table_dims, 2))) {
+    return ffi::Error::InvalidArgument("backup: the link table must be [4, S*N] int32");
+  }
+  const int32_t* t = table.typed_data();
+  for (int64_t c = 0; c < C; ++c) {
+    if (t[c] < 0 || t[c] >= C || t[C + c] < 0 || t[C + c] > C || t[2 * C + c] < 0 ||
+        t[2 * C + c] > C) {
+      return ffi::Error::InvalidArgument("backup: link table index out of range");
+    }
+  }
+  const float g = *gamma.typed_data();
+  Problem p{reward.typed_data(), value.typed_data(), dp.typed_data(),
+            step_mask.typed_data(), terminal.typed_data(), truncated.typed_data(),
+            v_boot.typed_data(), adv->typed_data(), ret->typed_data(),
+            S, B, N, K, g, g * *lam.typed_data(), false, false, PickWidth(max_width)};
+  p.table = t;
+  Solve(p, 0, B);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MarftBackup, BackupImpl,
@@ -464,6 +569,22 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MarftBackup, BackupImpl,
                                   .Arg<ffi::BufferR0<ffi::F32>>()   // lam
                                   .Attr<int32_t>("independent")
                                   .Attr<int32_t>("reference_semantics")
+                                  .Attr<int32_t>("max_width")       // 0: widest supported
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // advantages
+                                  .Ret<ffi::Buffer<ffi::F32>>());   // returns
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MarftBackupLinked, BackupLinkedImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // reward [S, B, N, K]
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // value [S, B, N, K]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()    // dp_mask [S, B, N, K]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()    // step_mask [S, B]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()    // terminal [S, B]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()    // truncated [S, B]
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // v_boot [B]
+                                  .Arg<ffi::Buffer<ffi::S32>>()     // link table [4, S*N]
+                                  .Arg<ffi::BufferR0<ffi::F32>>()   // gamma
+                                  .Arg<ffi::BufferR0<ffi::F32>>()   // lam
                                   .Attr<int32_t>("max_width")       // 0: widest supported
                                   .Ret<ffi::Buffer<ffi::F32>>()     // advantages
                                   .Ret<ffi::Buffer<ffi::F32>>());   // returns
