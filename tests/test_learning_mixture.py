@@ -35,7 +35,9 @@ digits 0-4), pair accuracy per iteration:
 Runs of 40 iterations (mixture) stayed at 0.84-0.99 from iteration 21 on; chain and
 independent runs of 30 iterations were at 0.88-0.97 and 0.02-0.06 in iterations 25-29.
 Wall time per run, measured with two to four runs in parallel on the loaded machine: 400-630 s
-(about 2.5 s per iteration plus pre-training and compilation); the two tests alone: TESTTIME.
+(about 2.5 s per iteration plus pre-training and compilation); the two tests alone
+(``pytest -n 0``, load average 1-4): 117 s (mixture, with pre-training and compilation) and
+59 s (independent PPO), and the seed-0 curves above reproduced exactly.
 
 Compared on the same budget:
 
