@@ -36,7 +36,6 @@ import numpy as np
 import pytest
 
 from marft_jax.models import decoder
-from marft_jax.models.config import ModelConfig
 from marft_jax.models.lora import LoraConfig
 from marft_jax.rl.rollout import RolloutConfig, Team
 from marft_jax.rl.update import UpdateConfig
@@ -44,17 +43,12 @@ from marft_jax.sampling.sampler import Sampler, SamplingConfig
 from marft_jax.train.iteration import TeamLearner
 from marft_jax.train.prepare import AdvantageConfig
 from marft_jax.train.state import OptimConfig, init_train_state
-from tests.toy_relay import RelayTask, ToyChatTokenizer, pretrain_base
+from tests.toy_relay import RelayTask, ToyChatTokenizer, model_config, pretrain_base
 
 SEED = 0
 ROWS, ITERS, K = 128, 30, 2
 LR, CRITIC_LR, EPOCHS, MINIBATCHES, KL_STOP, CLIP = 2e-3, 1e-2, 2, 2, 0.05, 0.2
 VALUES, STD, PRETRAIN_STEPS = 10, 0.1, 150
-
-
-def model_config(tok: ToyChatTokenizer) -> ModelConfig:
-    return ModelConfig(arch="llama", vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
-                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
 
 
 @functools.cache

@@ -18,6 +18,7 @@ import optax
 
 from marft_jax.envs.task import Problem, Score, Transcript
 from marft_jax.models import decoder
+from marft_jax.models.config import ModelConfig
 
 SPECIALS = ["<pad>", "<eos>", "<sys>", "<user>", "<asst>"]
 CHARS = "0123456789" + "abdrs []:=?\n"  # a tiny alphabet keeps chance at 1/vocab low but learnable
@@ -53,6 +54,12 @@ class ToyChatTokenizer:
 
     def digit_id(self, d: int) -> int:
         return self.index[str(d)]
+
+
+def model_config(tok: ToyChatTokenizer) -> ModelConfig:
+    """The tiny base of the learning tests: 2 layers, 64 wide, the character vocabulary."""
+    return ModelConfig(arch="llama", vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128,
+                       num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=True)
 
 
 class RelayTask:
@@ -96,34 +103,49 @@ def pretrain_base(base, cfg, tok: ToyChatTokenizer, *, num_values: int = 10, ste
     ``7`` and agent 1's context ``d=?\n\n[a]: 7`` yields a uniform guess: the team is at
     chance until agent 1 learns to use agent 0's output. Returns the new base parameters.
     """
+
+    def example(rng: np.random.Generator) -> tuple[list[int], list[int]]:
+        d = int(rng.integers(num_values))
+        if rng.random() < 0.5:
+            prompt, target = relay_context(tok, f"d={d}"), d
+        else:
+            teammate = str(d) if rng.random() < 0.5 else None
+            prompt, target = relay_context(tok, "d=?", teammate), int(rng.integers(num_values))
+        return prompt, [tok.digit_id(target), tok.eos_id]
+
+    return supervised_pretrain(base, cfg, tok, example, steps=steps, rows=rows, lr=lr, seed=seed)
+
+
+def supervised_pretrain(base, cfg, tok: ToyChatTokenizer, example, *, steps: int, rows: int, lr: float,
+                        seed: int):
+    """Full-parameter Adam on ``rows`` examples per step, each ``example(rng)`` -> (prompt ids,
+    target ids); the loss is the mean next-token NLL of the target ids (sequences left-padded,
+    targets last). Returns the new base parameters."""
     rng = np.random.default_rng(seed)
 
     def batch():
-        seqs = []
-        for _ in range(rows):
-            d = int(rng.integers(num_values))
-            if rng.random() < 0.5:
-                prompt, target = relay_context(tok, f"d={d}"), d
-            else:
-                teammate = str(d) if rng.random() < 0.5 else None
-                prompt, target = relay_context(tok, "d=?", teammate), int(rng.integers(num_values))
-            seqs.append(prompt + [tok.digit_id(target), tok.eos_id])
+        pairs = [example(rng) for _ in range(rows)]
+        seqs = [p + t for p, t in pairs]
         width = max(map(len, seqs))
+        T = max(len(t) for _, t in pairs)
         toks = np.full((rows, width), tok.pad_id, np.int32)
         valid = np.zeros((rows, width), bool)
-        for i, s in enumerate(seqs):
+        is_target = np.zeros((rows, T), np.float32)     # over the last T positions
+        for i, (s, (_, t)) in enumerate(zip(seqs, pairs)):
             toks[i, width - len(s):] = s
             valid[i, width - len(s):] = True
-        return toks, valid
+            is_target[i, T - len(t):] = 1.0
+        return toks, valid, is_target
 
     opt = optax.adam(lr)
 
     @jax.jit
-    def step(params, opt_state, toks, valid):
+    def step(params, opt_state, toks, valid, is_target):
         def loss_fn(p):
             logits = decoder.logits_fn(p, toks[:, :-1], valid[:, :-1], cfg)
             nll = -jnp.take_along_axis(jax.nn.log_softmax(logits), toks[:, 1:, None], -1)[..., 0]
-            return jnp.mean(nll[:, -2:])  # the two target tokens (sequences are left-padded)
+            T = is_target.shape[1]
+            return jnp.sum(nll[:, -T:] * is_target) / jnp.sum(is_target)
         loss, grads = jax.value_and_grad(loss_fn)(params)
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
