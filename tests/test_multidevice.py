@@ -18,6 +18,9 @@ import pytest
 
 from marft_jax.config import ConfigError, DistSection, MeshSection
 
+# One worker runs the whole module (pytest-xdist loadgroup), so its session fixtures run once.
+pytestmark = pytest.mark.xdist_group("multidevice")
+
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = ("8,1,1", "2,2,2", "1,4,2")
 
@@ -28,7 +31,7 @@ def _run(args: list[str], devices: int, timeout: int = 600) -> subprocess.Comple
                           timeout=timeout)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tiny_dir(tmp_path_factory):
     try:  # the tiny model borrows the embedded SmolLM2 tokenizer
         from marft_jax.models.registry import embedded_gguf_path
@@ -41,7 +44,7 @@ def tiny_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def iteration_dumps(tmp_path_factory, tiny_dir):
     """One seeded iteration dumped on 1 device and on each mesh of 8 (two subprocesses at once)."""
     out = tmp_path_factory.mktemp("multidevice")
