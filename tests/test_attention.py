@@ -100,3 +100,27 @@ def test_config_rejects_an_implementation_the_backend_lacks(tmp_path):
         build_run(cfg)
     with pytest.raises(ConfigError, match="model.attention"):
         load_config("demo", ["model.attention=flash"])
+
+
+@pytest.mark.parametrize("t", [64, 130, 200])
+def test_blocked_causal_path_equals_the_dense_one_with_gradients(t):
+    """causal=True skips the score blocks above the diagonal (query blocks of 64, the last one
+    partial at t=130/200); values and gradients equal the dense masked path's."""
+    q, k, v, _ = _inputs(t=t)
+    seg = np.zeros((2, t), np.int32)
+    seg[0, :t // 3], seg[0, t // 3:t - 5] = 1, 2                      # two segments, right padding
+    seg[1, 11:] = 1                                                   # left padding
+    mask = attention.segment_mask(jnp.asarray(seg))
+
+    def loss(q, k, v, causal):
+        out = attention.xla_attention(q, k, v, mask, causal=causal)
+        return jnp.sum(jnp.where(jnp.asarray(seg > 0)[..., None, None], out, 0.0) ** 2), out
+
+    grad = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True), static_argnums=3)
+    (_, dense), g_dense = grad(q, k, v, False)
+    (_, blocked), g_blocked = grad(q, k, v, True)
+    valid = seg > 0
+    np.testing.assert_allclose(np.asarray(blocked)[valid], np.asarray(dense)[valid], atol=1e-5)
+    for a, b in zip(g_blocked, g_dense):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+    assert attention.causal_block_size(t) == 64 and attention.causal_block_size(4096) == 128

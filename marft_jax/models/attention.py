@@ -72,18 +72,40 @@ def resolve(requested: str, backend: str | None = None, dtype=None, *, key: str 
     return requested
 
 
+CAUSAL_BLOCK = 64  # query block of the blocked causal path (fastest of 64/128/256 on XLA:CPU)
+_MAX_CAUSAL_BLOCKS = 32  # above this many blocks the block grows (bounded program size)
+
+
+def causal_block_size(t: int) -> int:
+    """Query block of :func:`xla_attention`'s blocked causal path for ``t`` queries: 64, or
+    ``t / 32`` rounded up to a multiple of 64 for rows over 2,048 (at most 32 blocks)."""
+    return max(CAUSAL_BLOCK, -(-(-(-t // _MAX_CAUSAL_BLOCKS)) // CAUSAL_BLOCK) * CAUSAL_BLOCK)
+
+
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                  prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None) -> jax.Array:
+                  prefix: tuple[jax.Array, jax.Array, jax.Array] | None = None, *,
+                  causal: bool = False) -> jax.Array:
     """Grouped-query attention with a boolean mask, softmax in float32.
 
     mask: ``[B, T, S]`` (True = may attend). ``prefix``: optional read-only keys/values placed
     before ``k`` (the KV cache): ``(k_prefix [B, kv_heads, P, D], v_prefix [B, kv_heads, P, D],
     mask_prefix [B, T, P])``; one softmax runs over the ``P + S`` keys, without concatenating the
     cache (only the ``[.., P + S]`` scores are joined).
+
+    ``causal=True`` promises that ``mask`` is causal (``T == S`` and query ``i`` never attends
+    to a key ``j > i``; segment and padding masks may remove more). Without a prefix the
+    queries then run in blocks of :func:`causal_block_size`, each against the keys up to its
+    own end only: the score blocks above the diagonal, all masked, are never computed. That
+    halves the attention's FLOPs and memory traffic at long rows (SmolLM2 shape, 4 x 864
+    tokens, XLA:CPU: forward 97 -> 57 ms, forward + backward 284 -> 142 ms per layer). The
+    result equals the dense path's up to float rounding (the softmax sums fewer exact zeros).
     """
     b, t, nh, d = q.shape
     nkv = k.shape[1]
     g = nh // nkv
+    block = causal_block_size(t)
+    if causal and prefix is None and k.shape[2] == t and t > block:
+        return _blocked_causal(q, k, v, mask, block)
     # Batch-major [B, kv_heads, group*T, D] queries: both einsums are plain batched matmuls
     # (no transposed operands or outputs), ~3x faster for decode on XLA:CPU.
     qg = q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nkv, g * t, d)
@@ -106,6 +128,27 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
         out = (jnp.einsum("bkqs,bksd->bkqd", probs[..., :p], v_pre.astype(v.dtype))
                + jnp.einsum("bkqs,bksd->bkqd", probs[..., p:], v))
     out = out.reshape(b, nkv, g, t, d)
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d)
+
+
+def _blocked_causal(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, block: int) -> jax.Array:
+    """:func:`xla_attention` for a causal ``mask`` without a prefix: query block ``[s0, s1)``
+    attends to keys ``[0, s1)`` only (static slices, unrolled over the ``T / block`` blocks)."""
+    b, t, nh, d = q.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    qg = q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4)                  # [B, kv, g, T, D]
+    outs = []
+    for s0 in range(0, t, block):
+        s1 = min(s0 + block, t)
+        n = s1 - s0
+        qb = qg[:, :, :, s0:s1].reshape(b, nkv, g * n, d)
+        s = jnp.einsum("bkqd,bksd->bkqs", qb, k[:, :, :s1], preferred_element_type=jnp.float32)
+        s = s * (1.0 / np.sqrt(d))
+        m = jnp.broadcast_to(mask[:, None, None, s0:s1, :s1], (b, 1, g, n, s1)).reshape(b, 1, g * n, s1)
+        probs = jax.nn.softmax(jnp.where(m, s, _NEG), axis=-1).astype(v.dtype)
+        outs.append(jnp.einsum("bkqs,bksd->bkqd", probs, v[:, :, :s1]).reshape(b, nkv, g, n, d))
+    out = jnp.concatenate(outs, axis=3)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d)
 
 
@@ -134,7 +177,7 @@ def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     d = q.shape[-1]
     scale = 1.0 / float(np.sqrt(d))
     if impl == "xla":
-        return xla_attention(q, k, v, segment_mask(segment_ids))
+        return xla_attention(q, k, v, segment_mask(segment_ids), causal=True)
     if impl == "cudnn":
         mask = segment_mask(segment_ids)[:, None]                                 # [B, 1, T, T]
         out = jax.nn.dot_product_attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask=mask,

@@ -179,7 +179,8 @@ def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, cache_in, 
     if prefix is None and cfg.attention != "xla" and segment_ids is not None:
         o = attention_lib.segment_attention(q, k.astype(q.dtype), v.astype(q.dtype), segment_ids, impl=cfg.attention)
     else:
-        o = attention_lib.xla_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_fn, prefix)
+        # mask_fn is causal by construction (forward); with a prefix the blocked path is off
+        o = attention_lib.xla_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_fn, prefix, causal=True)
     o = o.reshape(b, t, cfg.q_size)
     x = x + _proj(o, p, "o_proj", la, lb, scale, per_row)
     h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
