@@ -121,6 +121,7 @@ class PPOSection:
     critic_lora: bool = False
     logp_old: str = "sampler"           # sampler (the rollout's own log-probs) | recompute (a training forward)
     pack_sequences: bool = True         # packed sequences in the feature pass and the update (False: padded)
+    share_prefixes: bool = True         # packed rows compute a step's prefix repeated from the step before once
 
 
 @dataclass

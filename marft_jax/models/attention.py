@@ -162,8 +162,13 @@ def segment_mask(segment_ids: jax.Array, valid: jax.Array | None = None) -> jax.
 
 
 def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, impl: str = "xla",
-                      interpret: bool = False, dpa_implementation: str | None = "cudnn") -> jax.Array:
+                      interpret: bool = False, dpa_implementation: str | None = "cudnn",
+                      mask: jax.Array | None = None) -> jax.Array:
     """Causal attention inside segments (no cache) with implementation ``impl``.
+
+    ``mask``: an explicit causal ``[B, T, T]`` mask that replaces the segment one (shared-prefix
+    branches, :mod:`marft_jax.rl.packing`); only ``xla`` and ``cudnn`` take one (the Pallas
+    kernels know segment ids only: :class:`AttentionUnavailable`, naming ``ppo.share_prefixes``).
 
     ``interpret`` runs the Pallas kernels in interpret mode (CPU tests); ``dpa_implementation``
     is what ``cudnn`` passes to ``jax.nn.dot_product_attention`` (tests use ``"xla"`` to check
@@ -177,12 +182,15 @@ def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     d = q.shape[-1]
     scale = 1.0 / float(np.sqrt(d))
     if impl == "xla":
-        return xla_attention(q, k, v, segment_mask(segment_ids), causal=True)
+        return xla_attention(q, k, v, segment_mask(segment_ids) if mask is None else mask, causal=True)
     if impl == "cudnn":
-        mask = segment_mask(segment_ids)[:, None]                                 # [B, 1, T, T]
+        mask = (segment_mask(segment_ids) if mask is None else mask)[:, None]      # [B, 1, T, T]
         out = jax.nn.dot_product_attention(q, jnp.swapaxes(k, 1, 2), jnp.swapaxes(v, 1, 2), mask=mask,
                                            scale=scale, implementation=dpa_implementation)
         return out.astype(q.dtype)
+    if mask is not None:
+        raise AttentionUnavailable(f"model.attention={impl!r} takes segment ids only, not the shared-prefix mask: "
+                                   "set ppo.share_prefixes=false or model.attention=xla/cudnn")
     groups = q.shape[2] // k.shape[1]
     kh = jnp.repeat(k, groups, axis=1)                                           # [B, heads, S, D]
     vh = jnp.repeat(v, groups, axis=1)

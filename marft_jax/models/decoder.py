@@ -70,13 +70,16 @@ class KVCache:
 @flax.struct.dataclass
 class PackedRows:
     """Sequences packed into rows (any leading axes ``[..., R, T]``), int32 each: ``tokens``,
-    ``segment_ids`` (0 = padding; a token attends only to earlier tokens of its own segment)
-    and per-segment RoPE ``positions``. Built by :mod:`marft_jax.rl.packing`; the padded
-    layout is the special case of one sequence per row (:func:`padded_rows`)."""
+    ``segment_ids`` (0 = padding; a token attends only to earlier tokens of its own segment),
+    per-segment RoPE ``positions`` and optional ``branch_ids`` (shared prefixes: 0 = a
+    segment's trunk, visible to all its tokens; ``k > 0`` = a branch, visible to itself only).
+    Built by :mod:`marft_jax.rl.packing`; the padded layout is the special case of one
+    sequence per row (:func:`padded_rows`)."""
 
     tokens: jax.Array
     segment_ids: jax.Array
     positions: jax.Array
+    branch_ids: jax.Array | None = None
 
 
 def padded_rows(tokens: jax.Array, valid: jax.Array) -> PackedRows:
@@ -150,7 +153,8 @@ def _proj(x, p, name, lora_a, lora_b, scale, per_row):
     return y
 
 
-def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, cache_in, mask_fn, segment_ids=None):
+def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, cache_in, mask_fn, segment_ids=None,
+           branched: bool = False):
     """One decoder block. Returns ``(x_out, kv_new)``.
 
     Without a cache (``cache_in is None``) attention is over this call's keys and ``kv_new`` is
@@ -160,6 +164,7 @@ def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, cache_in, 
     new keys, and ``kv_new = (k, v)`` ``[B, kv_heads, T, D]`` are the entries to write. Attention
     without cached keys runs ``cfg.attention`` (:mod:`marft_jax.models.attention`) on
     ``segment_ids`` when it is not ``xla``; otherwise the boolean ``mask_fn`` ``[B, T, T]``.
+    ``branched``: the mask also holds shared-prefix branches (kernels then need ``mask_fn``).
     """
     b, t, _ = x.shape
     h = rms_norm(x, p["input_norm"], cfg.rms_norm_eps)
@@ -177,7 +182,8 @@ def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, cache_in, 
         if k_pre is not None:
             prefix = (k_pre.astype(q.dtype), v_pre.astype(q.dtype), mask_pre)
     if prefix is None and cfg.attention != "xla" and segment_ids is not None:
-        o = attention_lib.segment_attention(q, k.astype(q.dtype), v.astype(q.dtype), segment_ids, impl=cfg.attention)
+        o = attention_lib.segment_attention(q, k.astype(q.dtype), v.astype(q.dtype), segment_ids, impl=cfg.attention,
+                                            mask=mask_fn if branched else None)
     else:
         # mask_fn is causal by construction (forward); with a prefix the blocked path is off
         o = attention_lib.xla_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_fn, prefix, causal=True)
@@ -203,6 +209,7 @@ def forward(
     remat: bool | str = False,
     segment_ids: jax.Array | None = None,
     read_slots: int | None = None,
+    branch_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, KVCache | None]:
     """Run the decoder and return the last-layer hidden states (after the final norm).
 
@@ -228,6 +235,9 @@ def forward(
       read_slots: static, with a cache: how many leading cache slots attention may read
         (default all; ``0`` for a prefill into an empty cache, which then attends over the
         prompt's own keys only).
+      branch_ids: optional ``[batch, time]`` int32 with ``segment_ids``: shared prefixes
+        (:func:`marft_jax.rl.packing.share_prefixes`); a token also needs the key's branch to be
+        0 (the trunk) or its own. Needs ``model.attention`` xla or cudnn (a dense mask).
     Returns:
       ``(hidden [batch, time, H] in the parameter dtype, updated cache or None)``.
     """
@@ -254,12 +264,17 @@ def forward(
             raise ValueError("forward: segment_ids (packed rows) cannot be used with a KV cache")
         chex.assert_equal_shape([tokens, segment_ids])
         mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    if branch_ids is not None:
+        if segment_ids is None:
+            raise ValueError("forward: branch_ids need segment_ids (packed rows)")
+        chex.assert_equal_shape([tokens, branch_ids])
+        mask = mask & ((branch_ids[:, None, :] == 0) | (branch_ids[:, :, None] == branch_ids[:, None, :]))
     seg = segment_ids if segment_ids is not None else valid.astype(jnp.int32)   # kernels' segment view
 
     if cache is None:
         def body(x, xs):
             p, la_l, lb_l = xs
-            x, _ = _block(cfg, x, p, la_l, lb_l, scale, per_row, positions, None, mask, seg)
+            x, _ = _block(cfg, x, p, la_l, lb_l, scale, per_row, positions, None, mask, seg, branch_ids is not None)
             return x, None
 
         body = _remat(body, resolve_remat(remat, t))
@@ -355,7 +370,7 @@ def forward_packed(params: Params, rows: PackedRows | tuple[PackedRows, ...], *,
     for r in rows:
         seg = r.segment_ids
         hidden, _ = forward(params, r.tokens, seg > 0, cfg=cfg, positions=r.positions, lora=lora, agent=agent,
-                            remat=resolve_remat(remat, r.tokens.shape[-1]), segment_ids=seg)
+                            remat=resolve_remat(remat, r.tokens.shape[-1]), segment_ids=seg, branch_ids=r.branch_ids)
         out.append(hidden.reshape((-1, hidden.shape[-1])))
     return out[0] if len(out) == 1 else jnp.concatenate(out, axis=0)
 

@@ -157,6 +157,8 @@ def build_run(cfg: Config) -> Run:
     r = cfg.rollout
     sampler = Sampler(model.cfg, pad_id=tok.pad_id, stop_ids=tok.stop_ids, max_prompt_len=r.context_window)
     sampler.place_on(placement)
+    # Shared prefixes need a dense attention mask: the Pallas kernels take segment ids only.
+    share = cfg.ppo.share_prefixes and model.cfg.attention in ("xla", "cudnn")
     learner = TeamLearner(
         cfg=model.cfg, base=model.params, tokenizer=tok,
         sampler=sampler,
@@ -175,8 +177,9 @@ def build_run(cfg: Config) -> Run:
                                 ippo_own_weight=cfg.algo.ippo_own_weight,
                                 reference_semantics=cfg.algo.reference_semantics, temperature=r.temperature,
                                 logp_old=cfg.ppo.logp_old, topology=team.topology,
-                                layer_links=cfg.team.layer_links),
+                                layer_links=cfg.team.layer_links, share_prefixes=share),
         pack_sequences=cfg.ppo.pack_sequences,
+        share_prefixes=share,
         schedule=ScheduleConfig(agent_schedule=cfg.ppo.agent_schedule, interval=cfg.ppo.interval,
                                 interval_offset=cfg.ppo.interval_offset, critic_warmup=cfg.ppo.critic_warmup),
         placement=placement,

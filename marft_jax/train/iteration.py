@@ -93,6 +93,9 @@ class TeamLearner:
     # Packed sequences (rl/packing.py) for the feature pass and the update; False: the padded
     # [context bucket + K] layout (the A/B baseline of the packing).
     pack_sequences: bool = True
+    # Packed rows share the prefix a (row, agent)'s later step repeats from its earlier one
+    # (packing.share_prefixes; needs an attention that takes a dense mask: xla or cudnn).
+    share_prefixes: bool = True
     # Compiled packed shapes of this run, reused while they fit (few compiles, bounded padding).
     prepare_shapes: PrepareShapes = dataclasses.field(default_factory=PrepareShapes)
     update_shapes: packing.ShapePolicy = dataclasses.field(default_factory=packing.ShapePolicy)
@@ -200,12 +203,17 @@ class TeamLearner:
         metrics["actor/trained_agents"] = int(mask.sum()) if train_policy else 0
         ctx_tok, gen_tok = token_counts(traj)
         metrics["perf/tokens/update/valid"] = pstats["valid_tokens"]
+        metrics["perf/tokens/update/unique"] = pstats.get("unique_tokens", pstats["valid_tokens"])
         metrics["perf/tokens/update/computed"] = pstats["computed_tokens"]
         for name, slots in packing.layout_costs(np.asarray(traj.ctx_valid), np.asarray(traj.act_valid)).items():
             metrics[f"perf/tokens/update/computed_if_{name}"] = slots * self.update_cfg.epochs
         valid = metrics["perf/tokens/update/valid"] + metrics["perf/tokens/prepare/valid"]
-        metrics["perf/padding_ratio"] = (metrics["perf/tokens/update/computed"]
-                                         + metrics["perf/tokens/prepare/computed"]) / max(valid, 1)
+        unique = metrics["perf/tokens/update/unique"] + metrics["perf/tokens/prepare/unique"]
+        computed = metrics["perf/tokens/update/computed"] + metrics["perf/tokens/prepare/computed"]
+        # slots computed per token the forwards need (padding of the packed rows), and per token
+        # the sequences hold (below 1 where shared prefixes are computed once)
+        metrics["perf/padding_ratio"] = computed / max(unique, 1)
+        metrics["perf/computed_over_valid"] = computed / max(valid, 1)
         metrics["perf/throughput"] = (ctx_tok + gen_tok) / max(metrics["timing_s/step"], 1e-9)
         metrics["perf/rollout_tokens_per_s"] = gen_tok / max(timings["timing_s/rollout"], 1e-9)
         metrics["env_samples"] = env_samples + int(np.asarray(traj.step_mask).sum())
@@ -216,9 +224,9 @@ class TeamLearner:
             update_s=timings["timing_s/update"],
             context_mean=float(np.asarray(traj.ctx_valid).sum(-1)[played].mean()) if played.any() else 0.0,
             rollout_tokens=ctx_tok + gen_tok, rollout_head_tokens=gen_tok,
-            prepare_tokens=metrics["perf/tokens/prepare/valid"],
+            prepare_tokens=metrics["perf/tokens/prepare/unique"],
             prepare_head_tokens=0 if self.adv_cfg.logp_old == "sampler" else gen_tok,
-            update_tokens=pstats["valid_tokens"], update_head_tokens=gen_tok * self.update_cfg.epochs,
+            update_tokens=metrics["perf/tokens/update/unique"], update_head_tokens=gen_tok * self.update_cfg.epochs,
             happo_passes=(n - 1) / n if self.update_cfg.happo_weighting and n > 1 else 0.0,
             sampler=sampler_totals))
         return state, metrics, texts
@@ -281,7 +289,7 @@ class TeamLearner:
         plan, stats = packing.plan_update(np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid),
                                           np.asarray(traj.act_tokens), np.asarray(traj.act_valid), perms,
                                           micro_batches=u.micro_batches, policy=self.update_shapes,
-                                          pad_id=self.tokenizer.pad_id)
+                                          pad_id=self.tokenizer.pad_id, share=self.share_prefixes)
         return jax.tree.map(jnp.asarray, plan), stats
 
     def mesh_context(self):

@@ -50,6 +50,7 @@ class AdvantageConfig:
     temperature: float = 1.0
     chunk: int = 128
     tokens_per_call: int = 4096         # packed slots per forward call (memory bound)
+    share_prefixes: bool = True         # a (row, agent)'s steps share their common prefix (packing)
     logp_old: str = "sampler"           # sampler | recompute
     topology: topo.Topology | None = None   # the team graph (None: the chain)
     layer_links: str = "chain"          # team.layer_links: chain | layer
@@ -126,14 +127,16 @@ def _place_rows(placement, tree, axis: int):
 
 
 def feature_inputs(traj: Trajectory, *, token_level: bool, tokens_per_call: int, policy: packing.ShapePolicy,
-                   placement=None):
+                   placement=None, share: bool = False):
     """The feature pass's packed inputs: ``(calls, gather, n_main, stats)``, one ``[C, r, T]``
     :class:`~marft_jax.models.decoder.PackedRows` per length class (``C`` calls of ``r`` rows),
     ``gather [G, P]`` flat read indices, the number of decision-point sequences (the bootstrap
     contexts follow them) and the pass's token counts.
 
     ``placement`` (:class:`~marft_jax.train.placement.Placement`): each call's rows are split
-    over its row shards (``policy.row_multiple`` keeps them divisible).
+    over its row shards (``policy.row_multiple`` keeps them divisible). ``share``: the contexts
+    of one (row, agent) over the steps (and its bootstrap context after them) share their
+    common prefix (:func:`marft_jax.rl.packing.share_prefixes`).
     """
     S, B, N, L, K = traj.shape
     if traj.critic_ctx_tokens is not None:   # the joint history (non-chain team graphs)
@@ -150,31 +153,36 @@ def feature_inputs(traj: Trajectory, *, token_level: bool, tokens_per_call: int,
     n_main = len(seqs)
     seqs += [packing.sequence(c, v) for c, v in zip(bt.reshape(-1, L), bv.reshape(-1, L))]
     n_ctx = np.concatenate([flat(cv).sum(-1), bv.reshape(-1, L).sum(-1)])
-    chosen = policy.choose([[len(x) for x in seqs]])
+    s_, b_, i_ = np.meshgrid(np.arange(S), np.arange(B), np.arange(N), indexing="ij")
+    chains = list(zip(zip(b_.ravel().tolist(), i_.ravel().tolist()), s_.ravel().tolist()))
+    chains += [((b, i), S) for b in range(B) for i in range(N)]
+    units = packing.share_prefixes(seqs, chains if share else None)
+    chosen = policy.choose([[len(u.tokens) for u in units]])
     # Each class runs in calls of at most tokens_per_call slots (its rows rounded up to whole calls).
     m = policy.row_multiple
     per_call = [_per_call(r, t, tokens_per_call, m) for r, t in chosen]
     shape = tuple((-(-r // p) * p, t) for (r, t), p in zip(chosen, per_call))
     read = K if token_level else 1
-    classes, gather = packing.pack_group(seqs, np.maximum(n_ctx - 1, 0), read, shape)
+    classes, gather = packing.pack_group(seqs, np.maximum(n_ctx - 1, 0), read, shape, units=units)
     calls = tuple(_place_rows(placement, _calls(rows, p), 1) for rows, p in zip(classes, per_call))
     gather = jnp.asarray(gather) if placement is None else placement.replicate(gather)
-    stats = {"valid_tokens": int(sum(len(x) for x in seqs)), "computed_tokens": packing.shape_slots(shape)}
+    stats = {"valid_tokens": int(sum(len(x) for x in seqs)), "unique_tokens": int(sum(len(u.tokens) for u in units)),
+             "computed_tokens": packing.shape_slots(shape)}
     return calls, gather, n_main, stats
 
 
 def critic_features(base, critic: CriticParams, traj: Trajectory, *, cfg: ModelConfig, token_level: bool,
                     tokens_per_call: int, policy: packing.ShapePolicy,
-                    placement=None) -> tuple[np.ndarray, np.ndarray, dict]:
+                    placement=None, share: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
     """Packed critic features of every decision point and of the bootstrap contexts.
 
     Returns ``(feats [S, B, N, H] or [S, B, N, K, H], boot_feats [B, N, H], stats)``; stats
-    holds the pass's ``valid_tokens`` and ``computed_tokens``. ``placement``: see
-    :func:`feature_inputs`.
+    holds the pass's ``valid_tokens``, ``unique_tokens`` and ``computed_tokens``. ``placement``,
+    ``share``: see :func:`feature_inputs`.
     """
     S, B, N, L, K = traj.shape
     calls, gather, n_main, stats = feature_inputs(traj, token_level=token_level, tokens_per_call=tokens_per_call,
-                                                  policy=policy, placement=placement)
+                                                  policy=policy, placement=placement, share=share)
     out = _host(_packed_hidden_at(base, critic.lora, calls, gather, cfg=cfg))
     feats = out[:n_main] if token_level else out[:n_main, 0]
     feats = feats.reshape((S, B, N) + feats.shape[1:])
@@ -184,13 +192,14 @@ def critic_features(base, critic: CriticParams, traj: Trajectory, *, cfg: ModelC
 
 def recompute_logprobs(base, lora: LoraStack, traj: Trajectory, *, cfg: ModelConfig, temperature: float,
                        chunk: int, policy: packing.ShapePolicy,
-                       placement=None) -> tuple[np.ndarray, np.ndarray, dict]:
-    """The training forward's log-probs and entropies ``[S, B, N, K]`` of every action (packed)."""
+                       placement=None, share: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
+    """The training forward's log-probs and entropies ``[S, B, N, K]`` of every action (packed;
+    ``share``: shared step prefixes, as the update)."""
     S, B, N, L, K = traj.shape
     perms = np.arange(B, dtype=np.int32)[None, None]
     plan, stats = packing.plan_update(np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid),
                                       np.asarray(traj.act_tokens), np.asarray(traj.act_valid), perms,
-                                      micro_batches=1, policy=policy)
+                                      micro_batches=1, policy=policy, share=share)
     per_agent = lambda x: jnp.asarray(np.moveaxis(np.asarray(x), 2, 0).reshape((N, S * B) + x.shape[3:]))
     logp, ent = _packed_logprobs(base, lora, _place_rows(placement, jax.tree.map(lambda x: x[0, 0], plan.rows), 1),
                                  jnp.asarray(plan.gather[0, 0]), per_agent(traj.act_tokens),
@@ -219,18 +228,19 @@ def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Traj
                          "differ from the policy contexts (a non-chain team graph)")
     shapes = shapes or PrepareShapes()
     token_level = acfg.level == "token"
-    valid, computed = 0, 0
+    valid, unique, computed = 0, 0, 0
     from_sampler = acfg.logp_old == "sampler" and traj.policy_logp is not None
     if from_sampler:
         logp, ent = np.asarray(traj.policy_logp), np.asarray(traj.entropy)
     else:
         logp, ent, st = recompute_logprobs(base, lora, traj, cfg=cfg, temperature=acfg.temperature,
-                                           chunk=acfg.chunk, policy=shapes.logprobs, placement=placement)
-        valid, computed = valid + st["valid_tokens"], computed + st["computed_tokens"]
+                                           chunk=acfg.chunk, policy=shapes.logprobs, placement=placement,
+                                           share=acfg.share_prefixes)
+        valid, unique, computed = valid + st["valid_tokens"], unique + st["unique_tokens"], computed + st["computed_tokens"]
     feats, boot_feats, st = critic_features(base, critic, traj, cfg=cfg, token_level=token_level,
                                             tokens_per_call=acfg.tokens_per_call, policy=shapes.features,
-                                            placement=placement)
-    valid, computed = valid + st["valid_tokens"], computed + st["computed_tokens"]
+                                            placement=placement, share=acfg.share_prefixes)
+    valid, unique, computed = valid + st["valid_tokens"], unique + st["unique_tokens"], computed + st["computed_tokens"]
     value = np.asarray(value_head(critic.head, jnp.asarray(feats)))
     v_boot = np.where(np.asarray(traj.boot_ctx_valid).any(-1),
                       np.asarray(value_head(critic.head, jnp.asarray(boot_feats))), 0.0).astype(np.float32)
@@ -249,6 +259,7 @@ def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Traj
                                None if from_sampler else logp, np.asarray(traj.sample_logp),
                                np.asarray(traj.act_valid), ent)
     metrics["perf/tokens/prepare/valid"] = valid
+    metrics["perf/tokens/prepare/unique"] = unique
     metrics["perf/tokens/prepare/computed"] = computed
     return batch, metrics
 
