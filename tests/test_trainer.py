@@ -174,7 +174,9 @@ def test_no_compiles_after_the_first_horizon_cycle(tiny_dir, tmp_path):
     assert [m["perf/compiles"] for m in seen[2:]] == [0, 0], [m["perf/compiles"] for m in seen]
     for m in seen:
         assert m["perf/padding_ratio"] >= 1.0
-        assert m["perf/tokens/update/computed"] >= m["perf/tokens/update/valid"] > 0
+        # slots hold the tokens left after shared prefixes, which the sequences' tokens bound
+        assert m["perf/tokens/update/computed"] >= m["perf/tokens/update/unique"] > 0
+        assert m["perf/tokens/update/unique"] <= m["perf/tokens/update/valid"]
 
 
 @pytest.mark.parametrize("preset,calls", [("demo-mixture", 2), ("demo-debate", 1)])
