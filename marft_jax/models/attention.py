@@ -26,6 +26,7 @@ Outputs at padding positions are unspecified (finite); callers never read them.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -131,25 +132,96 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d)
 
 
-def _blocked_causal(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, block: int) -> jax.Array:
-    """:func:`xla_attention` for a causal ``mask`` without a prefix: query block ``[s0, s1)``
-    attends to keys ``[0, s1)`` only (static slices, unrolled over the ``T / block`` blocks)."""
+def _query_blocks(t: int, block: int) -> list[tuple[int, int]]:
+    return [(s0, min(s0 + block, t)) for s0 in range(0, t, block)]
+
+
+def _block_view(x: jax.Array, s0: int, s1: int) -> jax.Array:
+    """Rows ``[s0, s1)`` of a grouped ``[B, kv, g, T, ...]`` array as ``[B, kv, g·n, ...]``."""
+    b, nkv, g = x.shape[:3]
+    return x[:, :, :, s0:s1].reshape((b, nkv, g * (s1 - s0)) + x.shape[4:])
+
+
+def _block_mask(mask: jax.Array, s0: int, s1: int, g: int) -> jax.Array:
+    """``mask[:, s0:s1, :s1]`` broadcast over the ``g`` query heads of a kv head: ``[B, 1, g·n, s1]``."""
+    b, n = mask.shape[0], s1 - s0
+    return jnp.broadcast_to(mask[:, None, None, s0:s1, :s1], (b, 1, g, n, s1)).reshape(b, 1, g * n, s1)
+
+
+def _blocked_forward(q, k, v, mask, block):
+    """Grouped outputs ``[B, kv, g, T, D]`` and log-sum-exps ``[B, kv, g, T]`` (float32)."""
     b, t, nh, d = q.shape
     nkv = k.shape[1]
     g = nh // nkv
     qg = q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4)                  # [B, kv, g, T, D]
-    outs = []
-    for s0 in range(0, t, block):
-        s1 = min(s0 + block, t)
-        n = s1 - s0
-        qb = qg[:, :, :, s0:s1].reshape(b, nkv, g * n, d)
-        s = jnp.einsum("bkqd,bksd->bkqs", qb, k[:, :, :s1], preferred_element_type=jnp.float32)
-        s = s * (1.0 / np.sqrt(d))
-        m = jnp.broadcast_to(mask[:, None, None, s0:s1, :s1], (b, 1, g, n, s1)).reshape(b, 1, g * n, s1)
-        probs = jax.nn.softmax(jnp.where(m, s, _NEG), axis=-1).astype(v.dtype)
-        outs.append(jnp.einsum("bkqs,bksd->bkqd", probs, v[:, :, :s1]).reshape(b, nkv, g, n, d))
-    out = jnp.concatenate(outs, axis=3)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d)
+    outs, lses = [], []
+    for s0, s1 in _query_blocks(t, block):
+        s = jnp.einsum("bkqd,bksd->bkqs", _block_view(qg, s0, s1), k[:, :, :s1],
+                       preferred_element_type=jnp.float32) * (1.0 / np.sqrt(d))
+        s = jnp.where(_block_mask(mask, s0, s1, g), s, _NEG)
+        top = jnp.max(s, axis=-1, keepdims=True)
+        p = jnp.exp(s - top)
+        total = jnp.sum(p, axis=-1, keepdims=True)
+        # normalise the [n, D] output, not the [n, s1] probabilities
+        o = jnp.einsum("bkqs,bksd->bkqd", p.astype(v.dtype), v[:, :, :s1], preferred_element_type=jnp.float32) / total
+        outs.append(o.astype(q.dtype).reshape(b, nkv, g, s1 - s0, d))
+        lses.append((top + jnp.log(total)).reshape(b, nkv, g, s1 - s0))
+    return jnp.concatenate(outs, axis=3), jnp.concatenate(lses, axis=3)
+
+
+def _ungroup(o: jax.Array) -> jax.Array:
+    """``[B, kv, g, T, D] -> [B, T, kv·g, D]``."""
+    b, nkv, g, t, d = o.shape
+    return o.transpose(0, 3, 1, 2, 4).reshape(b, t, nkv * g, d)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _blocked_causal(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, block: int) -> jax.Array:
+    """:func:`xla_attention` for a causal ``mask`` without a prefix: query block ``[s0, s1)``
+    attends to keys ``[0, s1)`` only (static slices, unrolled over the ``T / block`` blocks).
+
+    A hand-written backward (the flash-attention one: recompute each block's probabilities
+    from the saved log-sum-exp; ``dS = P ⊙ (dP − rowsum(dO ⊙ O))``) instead of autodiff of the
+    softmax: inside the remat'd layer scan it is ~2.2x faster on XLA:CPU (SmolLM2 shape, 4 x
+    1,504-token rows, 6 layers: attention's share of the gradient 6.7 s -> 3.0 s). Fully masked
+    (padding) queries get no gradient; their outputs are unspecified anyway.
+    """
+    return _ungroup(_blocked_forward(q, k, v, mask, block)[0])
+
+
+def _blocked_causal_fwd(q, k, v, mask, block):
+    o, lse = _blocked_forward(q, k, v, mask, block)
+    return _ungroup(o), (q, k, v, mask, o, lse)
+
+
+def _blocked_causal_bwd(block, res, d_out):
+    q, k, v, mask, o, lse = res
+    b, t, nh, d = q.shape
+    nkv = k.shape[1]
+    g = nh // nkv
+    scale = 1.0 / np.sqrt(d)
+    f32 = lambda x: x.astype(jnp.float32)
+    qg = q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4)
+    dog = d_out.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4)
+    delta = jnp.sum(f32(dog) * f32(o), axis=-1)                                # [B, kv, g, T]
+    dk = jnp.zeros(k.shape, jnp.float32)
+    dv = jnp.zeros(v.shape, jnp.float32)
+    dqs = []
+    for s0, s1 in _query_blocks(t, block):
+        qb, dob = _block_view(qg, s0, s1), _block_view(dog, s0, s1)
+        kb, vb = k[:, :, :s1], v[:, :, :s1]
+        s = jnp.einsum("bkqd,bksd->bkqs", qb, kb, preferred_element_type=jnp.float32) * scale
+        p = jnp.where(_block_mask(mask, s0, s1, g), jnp.exp(s - _block_view(lse, s0, s1)[..., None]), 0.0)
+        dp = jnp.einsum("bkqd,bksd->bkqs", dob, vb, preferred_element_type=jnp.float32)
+        ds = p * (dp - _block_view(delta, s0, s1)[..., None])
+        dqs.append((jnp.einsum("bkqs,bksd->bkqd", ds, f32(kb)) * scale).reshape(b, nkv, g, s1 - s0, d))
+        dk = dk.at[:, :, :s1].add(jnp.einsum("bkqs,bkqd->bksd", ds, f32(qb)) * scale)
+        dv = dv.at[:, :, :s1].add(jnp.einsum("bkqs,bkqd->bksd", p, f32(dob)))
+    dq = _ungroup(jnp.concatenate(dqs, axis=3))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None
+
+
+_blocked_causal.defvjp(_blocked_causal_fwd, _blocked_causal_bwd)
 
 
 def segment_mask(segment_ids: jax.Array, valid: jax.Array | None = None) -> jax.Array:
