@@ -15,9 +15,9 @@ import time
 import jax
 
 from marft_jax.config import load_config
+from marft_jax.rl.state import init_train_state
 from marft_jax.train.build import build_run, lora_config, optim_config
 from marft_jax.train.evaluate import evaluate
-from marft_jax.train.state import init_train_state
 
 
 def main() -> None:

@@ -208,9 +208,9 @@ def part_update(small: bool) -> dict:
     from marft_jax.models import decoder
     from marft_jax.models.config import ModelConfig
     from marft_jax.models.lora import LoraConfig
+    from marft_jax.rl.state import OptimConfig, init_train_state
     from marft_jax.rl.update import UpdateBatch, UpdateConfig, ppo_update
     from marft_jax.train import peaks
-    from marft_jax.train.state import OptimConfig, init_train_state
 
     cfg = _tiny_cfg() if small else ModelConfig(**SMOLLM2_135M_SHAPE)
     rows, ctx, act = (2, 48, 16) if small else (8, 1920, 128)
@@ -245,8 +245,8 @@ def part_update(small: bool) -> dict:
 def part_iteration(small: bool, math_path: Path) -> dict:
     from marft_jax.bench import iteration as bench_it
     from marft_jax.config import load_config
+    from marft_jax.rl.state import init_train_state
     from marft_jax.train.build import build_run, lora_config, optim_config
-    from marft_jax.train.state import init_train_state
 
     with contextlib.ExitStack() as stack:
         if small:

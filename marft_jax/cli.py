@@ -70,10 +70,10 @@ def cmd_eval(args) -> int:
 
     import jax
 
+    from marft_jax.rl.state import init_train_state
     from marft_jax.train.build import build_run, lora_config, optim_config
     from marft_jax.train.checkpoint import CheckpointManager
     from marft_jax.train.evaluate import evaluate
-    from marft_jax.train.state import init_train_state
     from marft_jax.train.trainer import method_fields
 
     cfg = _load(args.config, "demo")

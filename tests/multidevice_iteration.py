@@ -20,9 +20,9 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 from marft_jax.config import load_config  # noqa: E402
 from marft_jax.models.sharding import to_host  # noqa: E402
+from marft_jax.rl.state import init_train_state  # noqa: E402
 from marft_jax.sampling.sampler import SamplingConfig  # noqa: E402
 from marft_jax.train.build import build_run, lora_config, optim_config  # noqa: E402
-from marft_jax.train.state import init_train_state  # noqa: E402
 from marft_jax.train.trainer import ProblemStream  # noqa: E402
 
 ROWS = 8

@@ -26,10 +26,10 @@ import pytest
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.lora import LoraConfig
 from marft_jax.models.peft_io import import_peft
+from marft_jax.rl.state import OptimConfig, init_train_state
 from marft_jax.train import checkpoint as ck
 from marft_jax.train.checkpoint import (CheckpointCorruptError, CheckpointManager,
                                         CheckpointMismatchError, CheckpointSaveError, export_adapters)
-from marft_jax.train.state import OptimConfig, init_train_state
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(arch="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,

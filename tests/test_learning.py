@@ -38,11 +38,11 @@ import pytest
 from marft_jax.models import decoder
 from marft_jax.models.lora import LoraConfig
 from marft_jax.rl.rollout import RolloutConfig, Team
+from marft_jax.rl.state import OptimConfig, init_train_state
 from marft_jax.rl.update import UpdateConfig
 from marft_jax.sampling.sampler import Sampler, SamplingConfig
 from marft_jax.train.iteration import TeamLearner
 from marft_jax.train.prepare import AdvantageConfig
-from marft_jax.train.state import OptimConfig, init_train_state
 from tests.toy_relay import RelayTask, ToyChatTokenizer, model_config, pretrain_base
 
 SEED = 0

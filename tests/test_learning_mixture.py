@@ -73,11 +73,11 @@ from marft_jax.models import decoder
 from marft_jax.models.lora import LoraConfig
 from marft_jax.rl import topology as topo
 from marft_jax.rl.rollout import RolloutConfig, Team
+from marft_jax.rl.state import OptimConfig, init_train_state
 from marft_jax.rl.update import UpdateConfig
 from marft_jax.sampling.sampler import Sampler, SamplingConfig
 from marft_jax.train.iteration import TeamLearner
 from marft_jax.train.prepare import AdvantageConfig
-from marft_jax.train.state import OptimConfig, init_train_state
 from tests.toy_mixture import ROLES, MixtureTask, pretrain_mixture_base
 from tests.toy_relay import ToyChatTokenizer, model_config
 

@@ -16,10 +16,10 @@ import pytest
 from marft_jax.models import decoder
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.lora import LoraConfig
+from marft_jax.rl.state import OptimConfig, init_train_state
 from marft_jax.rl.update import UpdateBatch, UpdateConfig, ppo_update
 from marft_jax.train import memory_plan as mp
 from marft_jax.train.compile_count import CompileCounter
-from marft_jax.train.state import OptimConfig, init_train_state
 
 CFG = ModelConfig(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16)

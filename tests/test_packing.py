@@ -13,8 +13,8 @@ from marft_jax.models import decoder, logprobs
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.lora import LoraConfig, init_lora
 from marft_jax.rl import packing
+from marft_jax.rl.state import OptimConfig, init_train_state
 from marft_jax.rl.update import UpdateBatch, UpdateConfig, ppo_update
-from marft_jax.train.state import OptimConfig, init_train_state
 
 CFG = ModelConfig(arch="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8)

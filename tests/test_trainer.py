@@ -131,8 +131,8 @@ def test_per_agent_token_budgets_reach_the_rollout(tiny_dir, tmp_path):
     import jax
     import numpy as np
 
+    from marft_jax.rl.state import init_train_state
     from marft_jax.train.build import build_run, lora_config, optim_config
-    from marft_jax.train.state import init_train_state
 
     cfg = load_config("demo", tiny_overrides(tiny_dir, tmp_path, "budgets", **{
         "rollout.max_new_tokens": 8, "rollout.agent_max_new_tokens": "[8,3]", "rollout.temperature": 1.0}))
@@ -151,8 +151,8 @@ def test_no_compiles_after_the_first_horizon_cycle(tiny_dir, tmp_path):
     """`perf/compiles` counts compilations per iteration; once every shape is seen it is 0."""
     import jax
 
+    from marft_jax.rl.state import init_train_state
     from marft_jax.train.build import build_run, lora_config, optim_config
-    from marft_jax.train.state import init_train_state
     from marft_jax.train.trainer import ProblemStream
 
     cfg = load_config("demo", tiny_overrides(tiny_dir, tmp_path, "compiles", **{

@@ -15,8 +15,8 @@ from marft_jax.models.config import ModelConfig
 from marft_jax.models.critic import value_head
 from marft_jax.models.lora import LoraConfig
 from marft_jax.rl import losses
+from marft_jax.rl.state import OptimConfig, init_train_state, policy_optimizer
 from marft_jax.rl.update import UpdateBatch, UpdateConfig, critic_update, ppo_update, update_agents
-from marft_jax.train.state import OptimConfig, init_train_state, policy_optimizer
 
 CFG = ModelConfig(arch="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8)

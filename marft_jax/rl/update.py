@@ -36,7 +36,7 @@ from marft_jax.models.critic import CriticParams, critic_features_fn, value_head
 from marft_jax.models.lora import LoraStack
 from marft_jax.rl import layout, losses
 from marft_jax.rl.packing import PackedRows, UpdatePlan
-from marft_jax.train.state import OptimConfig, TrainState, critic_optimizer, policy_optimizer
+from marft_jax.rl.state import OptimConfig, TrainState, critic_optimizer, policy_optimizer
 
 
 @dataclasses.dataclass(frozen=True)

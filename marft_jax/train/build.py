@@ -20,12 +20,12 @@ from marft_jax.models import registry, sharding
 from marft_jax.models.lora import LoraConfig
 from marft_jax.rl import topology
 from marft_jax.rl.rollout import RolloutConfig, Team
+from marft_jax.rl.state import OptimConfig
 from marft_jax.rl.update import UpdateConfig
 from marft_jax.sampling.sampler import Sampler, SamplingConfig
 from marft_jax.train.iteration import ScheduleConfig, TeamLearner
 from marft_jax.train.placement import Placement
 from marft_jax.train.prepare import AdvantageConfig
-from marft_jax.train.state import OptimConfig
 
 
 def build_task(cfg: Config) -> Task:

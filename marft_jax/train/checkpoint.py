@@ -1,6 +1,6 @@
 """Checkpoints of the trainable state on orbax's ``CheckpointManager``; PEFT export of the adapters.
 
-What is saved: the whole :class:`~marft_jax.train.state.TrainState` (stacked LoRA, critic head
+What is saved: the whole :class:`~marft_jax.rl.state.TrainState` (stacked LoRA, critic head
 and critic LoRA, both optimizer states, step, RNG key) plus a small JSON ``extra`` dict (data
 iterator position, packing shapes, config, the step's metrics). Never the frozen base: it is
 reloaded from its own weights.

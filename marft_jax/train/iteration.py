@@ -23,6 +23,7 @@ from marft_jax.models.config import ModelConfig
 from marft_jax.rl import layout, packing
 from marft_jax.rl import rollout as rollout_lib
 from marft_jax.rl.rollout import Generation, RolloutConfig, Team
+from marft_jax.rl.state import TrainState
 from marft_jax.rl.update import UpdateConfig, ppo_update
 from marft_jax.sampling.sampler import Sampler, SamplingConfig
 from marft_jax.train import memory_plan
@@ -30,7 +31,6 @@ from marft_jax.train import metrics as metrics_lib
 from marft_jax.train.compile_count import CompileCounter, compile_metrics
 from marft_jax.models.sharding import to_host
 from marft_jax.train.prepare import AdvantageConfig, PrepareShapes, prepare_update_batch
-from marft_jax.train.state import TrainState
 
 
 @dataclasses.dataclass(frozen=True)

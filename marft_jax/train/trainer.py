@@ -27,11 +27,11 @@ import jax.numpy as jnp
 from marft_jax.config import Config, to_yaml
 from marft_jax.envs.task import Problem, Task
 from marft_jax.profiling import StepProfiler
+from marft_jax.rl.state import TrainState, init_train_state
 from marft_jax.train.build import Run, build_run, lora_config, optim_config
 from marft_jax.train.checkpoint import CheckpointManager, nonfinite_leaves
 from marft_jax.train.evaluate import EvalResult, evaluate
 from marft_jax.train.metrics import MetricsWriter
-from marft_jax.train.state import TrainState, init_train_state
 
 
 class ProblemStream:
