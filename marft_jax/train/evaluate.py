@@ -15,8 +15,8 @@ import jax
 import numpy as np
 
 from marft_jax.envs.task import Problem, Transcript
+from marft_jax.rl.state import TrainState
 from marft_jax.train.iteration import TeamLearner
-from marft_jax.train.state import TrainState
 
 
 @dataclasses.dataclass
@@ -58,7 +58,8 @@ def evaluate(learner: TeamLearner, state: TrainState, problems: Sequence[Problem
             step_mask = np.asarray(traj.step_mask)
             last = step_mask.shape[0] - 1 - np.argmax(step_mask[::-1], axis=0)
             final = np.asarray(traj.score)[last, np.arange(len(chunk))]
-            correct += list(final >= learner.rollout_cfg.success_threshold)
+            passed = final >= learner.rollout_cfg.success_threshold
+            correct += list(passed)
             outs = [tuple(texts.outputs[last[b]][b]) for b in range(len(chunk))]
             transcripts = [Transcript(p, o, i) for p, o in zip(chunk, outs) for i in range(len(roles))]
             scores = learner.score_fn(transcripts)
@@ -67,7 +68,7 @@ def evaluate(learner: TeamLearner, state: TrainState, problems: Sequence[Problem
             if len(examples) < keep_examples:
                 for b in range(min(keep_examples - len(examples), len(chunk))):
                     examples.append({"problem": chunk[b].text, "answer": chunk[b].answer,
-                                     "outputs": dict(zip(roles, outs[b])), "correct": bool(final[b] >= 1.0),
+                                     "outputs": dict(zip(roles, outs[b])), "correct": bool(passed[b]),
                                      "info": texts.infos[last[b]][b]})
         team.append(float(np.mean(correct)))
         for r in roles:
