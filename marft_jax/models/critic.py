@@ -54,13 +54,6 @@ def value_head(head: dict[str, jax.Array], feats: jax.Array) -> jax.Array:
     return x @ head["w3"]
 
 
-def value_positions(ctx_len: int, num_actions: int, token_level: bool) -> jax.Array:
-    """Positions in ``[ctx ‖ act]`` read by the critic: ``[1]`` or ``[K]`` int32."""
-    if token_level:
-        return ctx_len - 1 + jnp.arange(num_actions, dtype=jnp.int32)
-    return jnp.array([ctx_len - 1], jnp.int32)
-
-
 def critic_features_fn(params, ctx_tokens, ctx_valid, act_tokens, act_valid, *, cfg: ModelConfig,
                        token_level: bool, lora: LoraStack | None = None, remat: bool | str = False):
     """Hidden states at the value positions of each sequence.

@@ -191,11 +191,6 @@ def unpermute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def permute_rope_rows(w: np.ndarray, n_head: int) -> np.ndarray:
-    """llama.cpp's permutation (HF -> GGUF order); the inverse of :func:`unpermute_rope_rows`."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
 def dequantize_tensor(tensor) -> np.ndarray:
     """One ``ReaderTensor`` -> float32 numpy array in HF/numpy order (``[out, in]`` for weights)."""
     from gguf.quants import dequantize

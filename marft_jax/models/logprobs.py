@@ -153,8 +153,3 @@ def packed_action_logprobs_fn(params, lora, agent, rows, gather, act_tokens, act
     pred = sharding.constrain_rows(jnp.take(flat, gather, axis=0))      # [n, K, H]
     logp, ent = chunked_logprobs(pred, decoder.lm_head(params, cfg), act_tokens, temperature, chunk)
     return jnp.where(act_valid, logp, 0.0), jnp.where(act_valid, ent, 0.0)
-
-
-def hidden_at(hidden: jax.Array, positions: jax.Array) -> jax.Array:
-    """Gather hidden states: ``[B, T, H]`` at ``positions [B, P]`` -> ``[B, P, H]``."""
-    return jnp.take_along_axis(hidden, positions[..., None], axis=1)

@@ -13,7 +13,6 @@ The update is ``y = x W + scale · (x A) B`` with ``scale = alpha / rank`` (PEFT
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
 
 import chex
 import flax.struct
@@ -133,14 +132,3 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, scale: float, per_row: 
     else:
         y = (xf @ a) @ b
     return (scale * y).astype(x.dtype)
-
-
-def stack_agents(stacks: Sequence[LoraStack]) -> LoraStack:
-    """Concatenate one-or-more-agent stacks along the agent axis (same targets and scale)."""
-    first = stacks[0]
-    for s in stacks[1:]:
-        if s.targets != first.targets or s.scale != first.scale:
-            raise ValueError("cannot stack adapters with different targets or scale")
-    return LoraStack(a={t: jnp.concatenate([s.a[t] for s in stacks]) for t in first.targets},
-                     b={t: jnp.concatenate([s.b[t] for s in stacks]) for t in first.targets},
-                     scale=first.scale)

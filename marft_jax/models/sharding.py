@@ -18,8 +18,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from marft_jax.models.config import ModelConfig
-
 MESH_AXES = ("data", "fsdp", "tensor")
 
 
@@ -132,13 +130,6 @@ def batch_sharding(mesh: Mesh, ndim: int, rules: AxisRules = AxisRules(), batch_
     axes = (rules.batch,) if isinstance(rules.batch, str) else tuple(rules.batch)
     spec[batch_axis] = axes if len(axes) > 1 else axes[0]
     return NamedSharding(mesh, P(*spec))
-
-
-def check_config_fits(cfg: ModelConfig, mesh: Mesh) -> None:
-    """Raise if the tensor axis cannot split the query heads (kv heads may be replicated)."""
-    t = mesh.shape["tensor"]
-    if cfg.num_heads % t:
-        raise ValueError(f"mesh tensor={t} does not divide num_attention_heads={cfg.num_heads}")
 
 
 def constrain_rows(x: jax.Array, axis: int = 0, rules: AxisRules = AxisRules()) -> jax.Array:
