@@ -265,7 +265,7 @@ def run_ours(args) -> dict:
     from marft_jax import profiling
     from marft_jax.bench.sampler import matmul_roofline_flops
     from marft_jax.train.build import build_run, lora_config, optim_config
-    from marft_jax.train.state import init_train_state
+    from marft_jax.rl.state import init_train_state
 
     wl, cfg = config_for(args)
     compile_s = [0.0]
@@ -353,7 +353,7 @@ def run_reference(args) -> dict:
     from marft_jax.bench.update import LORA
     from marft_jax.rl.rollout import rollout
     from marft_jax.train.build import build_run, lora_config, optim_config
-    from marft_jax.train.state import init_train_state
+    from marft_jax.rl.state import init_train_state
 
     torch.set_num_threads(args.torch_threads or os.cpu_count() or 1)
     wl, cfg = config_for(args)

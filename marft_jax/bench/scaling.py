@@ -79,7 +79,7 @@ def _measure(args) -> dict:
     from marft_jax.train import prepare
     from marft_jax.train.iteration import TeamLearner
     from marft_jax.train.placement import Placement
-    from marft_jax.train.state import OptimConfig, init_train_state
+    from marft_jax.rl.state import OptimConfig, init_train_state
 
     if jax.device_count() != args.devices:
         raise SystemExit(f"expected {args.devices} devices, have {jax.device_count()}")

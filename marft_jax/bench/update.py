@@ -68,7 +68,7 @@ from marft_jax.models.config import ModelConfig
 from marft_jax.models.critic import critic_features, critic_features_fn, value_head
 from marft_jax.models.lora import LoraConfig, LoraStack
 from marft_jax.rl.update import UpdateBatch, UpdateConfig, ppo_update
-from marft_jax.train.state import OptimConfig, TrainState, init_train_state
+from marft_jax.rl.state import OptimConfig, TrainState, init_train_state
 
 SMOLLM2_135M_SHAPE = dict(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
