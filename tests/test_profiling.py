@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from marft_jax.config import ConfigError, load_config
@@ -95,3 +96,19 @@ def test_device_check_small_runs_on_cpu():
     assert 0 < rep["update_mfu"] < 1 and rep["iteration_s"] > 0
     assert rep["peak_device_memory_bytes"] is None and rep["peak_device_memory_bytes_reason"]
     assert rep["versions"]["jax"] == jax.__version__
+
+
+def test_mfu_divides_by_the_devices_the_iteration_ran_on():
+    """The same model FLOPs in the same time over 2 devices are half the utilisation of 1."""
+    from marft_jax.models.config import ModelConfig
+    from marft_jax.train import metrics as metrics_lib
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8)
+    kw = dict(step_s=1.0, update_s=0.5, context_mean=64.0, rollout_tokens=1000, rollout_head_tokens=200,
+              prepare_tokens=800, update_tokens=1000, update_head_tokens=200, happo_passes=0.0)
+    one = metrics_lib.utilisation_metrics(cfg, jnp.float32, **kw)
+    two = metrics_lib.utilisation_metrics(cfg, jnp.float32, num_devices=2, **kw)
+    assert one["perf/mfu"] > 0 and one["perf/model_flops"] == two["perf/model_flops"]
+    np.testing.assert_allclose(two["perf/mfu"], one["perf/mfu"] / 2, rtol=1e-6)
+    np.testing.assert_allclose(two["perf/mfu/update"], one["perf/mfu/update"] / 2, rtol=1e-6)

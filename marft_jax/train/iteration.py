@@ -228,7 +228,8 @@ class TeamLearner:
             prepare_head_tokens=0 if self.adv_cfg.logp_old == "sampler" else gen_tok,
             update_tokens=metrics["perf/tokens/update/unique"], update_head_tokens=gen_tok * self.update_cfg.epochs,
             happo_passes=(n - 1) / n if self.update_cfg.happo_weighting and n > 1 else 0.0,
-            sampler=sampler_totals))
+            sampler=sampler_totals,
+            num_devices=1 if self.placement is None else self.placement.mesh.devices.size))
         return state, metrics, texts
 
     def packed_shapes(self) -> dict[str, list[list[int]]]:

@@ -57,7 +57,7 @@ def utilisation_metrics(cfg, dtype, *, step_s: float, update_s: float, context_m
                         rollout_tokens: int, rollout_head_tokens: int, prepare_tokens: int,
                         update_tokens: int, update_head_tokens: int, happo_passes: float,
                         prepare_head_tokens: int = 0, sampler: Any | None = None,
-                        device: Any | None = None) -> dict[str, float]:
+                        device: Any | None = None, num_devices: int = 1) -> dict[str, float]:
     """``perf/mfu``, ``perf/mfu/update``, ``perf/hbm_bw_util`` (decode) and peak memory of one
     iteration.
 
@@ -71,6 +71,10 @@ def utilisation_metrics(cfg, dtype, *, step_s: float, update_s: float, context_m
     :func:`marft_jax.train.peaks.device_peak` (datasheet, or measured on CPU: then
     ``perf/peak_measured`` is 1). ``sampler``: the rollout's
     :class:`~marft_jax.sampling.sampler.SamplerTotals` (decode bytes and seconds).
+    ``num_devices``: the devices the iteration ran on (the mesh's size): the MFU figures divide
+    by it (peaks are per device). ``perf/hbm_bw_util`` stays one device's: the bytes one decode
+    step reads with replicated weights (all the weights, and the whole cache: an upper bound when
+    the cache is split over a data mesh) against one device's peak bandwidth.
     """
     peak = peaks.device_peak(device)
     head = 2.0 * cfg.hidden_size * cfg.vocab_size
@@ -79,7 +83,8 @@ def utilisation_metrics(cfg, dtype, *, step_s: float, update_s: float, context_m
     upd = passes * (body * update_tokens + head * update_head_tokens)
     total = (body * (rollout_tokens + prepare_tokens) + head * (rollout_head_tokens + prepare_head_tokens)) + upd
     flops = peak.flops(dtype)
-    out = {"perf/mfu": mfu(total, step_s, 1, flops), "perf/mfu/update": mfu(upd, update_s, 1, flops),
+    out = {"perf/mfu": mfu(total, step_s, num_devices, flops),
+           "perf/mfu/update": mfu(upd, update_s, num_devices, flops),
            "perf/model_flops": total, "perf/peak_measured": float(peak.source == "measured"),
            "perf/peak_host_rss_bytes": float(peaks.peak_host_rss_bytes())}
     if sampler is not None and sampler.decode_s > 0:

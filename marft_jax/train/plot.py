@@ -23,7 +23,7 @@ PANELS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
     ("accuracy", "Accuracy", "accuracy", ("episode/accuracy", "eval/*accuracy*")),
     ("losses", "Losses", "loss", ("actor/*/pg_loss", "critic/value_loss")),
     ("kl", "Approximate KL (old vs new policy)", "KL", ("actor/*/approx_kl",)),
-    ("throughput", "Throughput", "tokens / s / device", ("perf/throughput",)),
+    ("throughput", "Throughput", "tokens / s", ("perf/throughput",)),
     ("mfu", "Model FLOPs utilisation", "MFU", ("perf/mfu",)),
     ("timing", "Stage time", "seconds", ("timing_s/*",)),
 )
