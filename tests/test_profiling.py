@@ -99,16 +99,46 @@ def test_device_check_small_runs_on_cpu():
 
 
 def test_mfu_divides_by_the_devices_the_iteration_ran_on():
-    """The same model FLOPs in the same time over 2 devices are half the utilisation of 1."""
+    """The same model FLOPs (and decode bytes) in the same time over 2 devices are half the
+    utilisation of 1: the peaks are per device."""
     from marft_jax.models.config import ModelConfig
+    from marft_jax.sampling.sampler import SamplerTotals
     from marft_jax.train import metrics as metrics_lib
 
     cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=8)
     kw = dict(step_s=1.0, update_s=0.5, context_mean=64.0, rollout_tokens=1000, rollout_head_tokens=200,
-              prepare_tokens=800, update_tokens=1000, update_head_tokens=200, happo_passes=0.0)
+              prepare_tokens=800, update_tokens=1000, update_head_tokens=200, happo_passes=0.0,
+              sampler=SamplerTotals(decode_s=0.25, decode_bytes=4e8))
     one = metrics_lib.utilisation_metrics(cfg, jnp.float32, **kw)
     two = metrics_lib.utilisation_metrics(cfg, jnp.float32, num_devices=2, **kw)
     assert one["perf/mfu"] > 0 and one["perf/model_flops"] == two["perf/model_flops"]
     np.testing.assert_allclose(two["perf/mfu"], one["perf/mfu"] / 2, rtol=1e-6)
     np.testing.assert_allclose(two["perf/mfu/update"], one["perf/mfu/update"] / 2, rtol=1e-6)
+    assert one["perf/hbm_bw_util"] > 0
+    np.testing.assert_allclose(two["perf/hbm_bw_util"], one["perf/hbm_bw_util"] / 2, rtol=1e-6)
+
+
+def test_decode_bytes_count_every_device_that_holds_an_array():
+    """Replicated arrays count once per device, split ones once in all (host and one-device
+    arrays: ``nbytes``), so ``perf/hbm_bw_util`` over the mesh's summed peak is per-device right."""
+    from marft_jax.sampling.sampler import device_bytes
+
+    class Sharding:                     # a 4-device mesh, without 4 devices
+        def __init__(self, split):
+            self.split, self.device_set = split, {0, 1, 2, 3}
+
+        def shard_shape(self, shape):
+            return (shape[0] // self.split,) + tuple(shape[1:])
+
+    class Array:
+        shape, dtype = (8, 16), np.dtype(np.float32)
+
+        def __init__(self, split):
+            self.sharding = Sharding(split)
+
+    assert device_bytes(np.zeros((8, 16), np.float32)) == 512
+    assert device_bytes(jnp.zeros((8, 16), jnp.float32)) == 512
+    assert device_bytes(Array(1)) == 4 * 512        # replicated on 4 devices
+    assert device_bytes(Array(2)) == 2 * 512        # split 2 ways, replicated 2 ways
+    assert device_bytes(Array(4)) == 512            # split over all 4

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import time
 import warnings
 from typing import Any, Sequence
@@ -514,6 +515,16 @@ def stop_id_array(ids: Sequence[int], minimum: int = 8) -> np.ndarray:
     return out
 
 
+def device_bytes(x) -> int:
+    """Bytes of ``x`` summed over the devices that hold it: one shard's bytes times the devices
+    of its sharding (a replicated array counts once per device, an array split over the devices
+    once in all; ``nbytes`` on one device or for a host array)."""
+    sh = getattr(x, "sharding", None)
+    if sh is None:
+        return int(x.nbytes)
+    return int(math.prod(sh.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize * len(sh.device_set))
+
+
 @dataclasses.dataclass
 class SamplerTotals:
     """Work and time of the sampler calls since the last :meth:`Sampler.take_totals` (host
@@ -522,7 +533,9 @@ class SamplerTotals:
     prefill_s / decode_s: seconds; prefill_slots: rows × prompt bucket over the prefills;
     decode_row_steps: rows × decode steps (compacted batches count their own rows);
     decode_bytes: bytes a decode step must read, summed over steps: the weights (base + LoRA)
-    plus the K/V cache slots attention reads (the floor of HBM traffic; ``perf/hbm_bw_util``).
+    plus the K/V cache slots attention reads (the floor of HBM traffic; ``perf/hbm_bw_util``),
+    summed over the devices that hold them (:func:`device_bytes`: on a mesh, replicated weights
+    count once per device, split rows of the cache once in all).
     """
 
     calls: int = 0
@@ -652,7 +665,7 @@ class Sampler:
                             top_k_max=top_k_max, use_top_p=use_top_p, slots=length + phases[0])
             jax.block_until_ready(state.last)
         t1 = time.perf_counter()
-        weight_bytes = sum(x.nbytes for x in jax.tree.leaves((params, lora)))
+        weight_bytes = sum(device_bytes(x) for x in jax.tree.leaves((params, lora)))
         with jax.profiler.TraceAnnotation("sampler/decode"):
             state = self._decode_phases(params, lora, state, length, phases, limit, top_k_max, use_top_p,
                                         weight_bytes)
@@ -684,7 +697,8 @@ class Sampler:
                                  for x in self._host((state.step, state.done, state.cache.index)))
             cache = state.cache
             self.totals.decode_row_steps += rows * (step - before)
-            self.totals.decode_bytes += (step - before) * (weight_bytes + cache.k.nbytes + cache.v.nbytes)
+            self.totals.decode_bytes += (step - before) * (weight_bytes + device_bytes(cache.k)
+                                                           + device_bytes(cache.v))
             live = np.nonzero(~done)[0]
             if step >= limit or live.size == 0:
                 return state

@@ -71,10 +71,11 @@ def utilisation_metrics(cfg, dtype, *, step_s: float, update_s: float, context_m
     :func:`marft_jax.train.peaks.device_peak` (datasheet, or measured on CPU: then
     ``perf/peak_measured`` is 1). ``sampler``: the rollout's
     :class:`~marft_jax.sampling.sampler.SamplerTotals` (decode bytes and seconds).
-    ``num_devices``: the devices the iteration ran on (the mesh's size): the MFU figures divide
-    by it (peaks are per device). ``perf/hbm_bw_util`` stays one device's: the bytes one decode
-    step reads with replicated weights (all the weights, and the whole cache: an upper bound when
-    the cache is split over a data mesh) against one device's peak bandwidth.
+    ``num_devices``: the devices the iteration ran on (the mesh's size). Peaks are per device,
+    so both figures divide by it: ``perf/mfu`` is the model FLOPs over ``num_devices`` x the peak
+    FLOP/s, and ``perf/hbm_bw_util`` the decode bytes summed over the devices (replicated
+    weights once per device, the split cache once: :func:`~marft_jax.sampling.sampler.device_bytes`)
+    over ``num_devices`` x the peak bandwidth.
     """
     peak = peaks.device_peak(device)
     head = 2.0 * cfg.hidden_size * cfg.vocab_size
@@ -88,7 +89,7 @@ def utilisation_metrics(cfg, dtype, *, step_s: float, update_s: float, context_m
            "perf/model_flops": total, "perf/peak_measured": float(peak.source == "measured"),
            "perf/peak_host_rss_bytes": float(peaks.peak_host_rss_bytes())}
     if sampler is not None and sampler.decode_s > 0:
-        out["perf/hbm_bw_util"] = sampler.decode_bytes / sampler.decode_s / peak.hbm_bytes_per_s
+        out["perf/hbm_bw_util"] = sampler.decode_bytes / sampler.decode_s / (num_devices * peak.hbm_bytes_per_s)
         out["timing_s/rollout/prefill"] = sampler.prefill_s
         out["timing_s/rollout/decode"] = sampler.decode_s
     mem = peaks.peak_device_memory_bytes(device)
