@@ -4,7 +4,7 @@ Run it on a lent GPU/TPU machine from the checkout, with whatever jax / transfor
 machine has (nothing is installed)::
 
     PYTHONPATH=. python experiments/device_check.py            # <= 8 minutes on one chip
-    PYTHONPATH=. python experiments/device_check.py --small    # CPU smoke check, well under a minute (CI)
+    PYTHONPATH=. python experiments/device_check.py --small    # CPU smoke check, ~30 s (CI)
 
 Parts (each runs on its own; one that needs a missing package or fails is reported as null
 with the reason next to it, ``<field>_reason``, and the others still run):
@@ -27,6 +27,11 @@ with the reason next to it, ``<field>_reason``, and the others still run):
   512 new tokens, the dual team; the generated arithmetic task with the same shape when the
   MATH file is absent: ``iteration_workload`` says which) after a warm-up iteration;
 * ``peak_device_memory_bytes``: the device's peak bytes in use after all parts (null on CPU).
+
+``--small`` (CPU, CI: ~30 s on a busy 2-core box) keeps every field with tiny random models and
+shapes, one sampler batch (4), host-drawn random weights, one prompt bucket in the iteration, and
+compiles at XLA's backend optimisation level 0 (``xla_flags``): compiling is most of such a run,
+and its throughput / MFU figures are smoke values, not measurements.
 
 Peaks: :mod:`marft_jax.train.peaks` (datasheet table, or measured on an unknown device / CPU:
 ``peak_source``). The last stdout line is the JSON object.
@@ -88,6 +93,19 @@ class Report(dict):
         print(f"[device_check] {fields[0]}: {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
 
 
+SMALL_XLA_FLAG = "--xla_backend_optimization_level=0"
+
+
+def small_compile_flags() -> None:
+    """``--small``: compile without the backend's (LLVM's) optimisation passes. Compiling is most
+    of a run with tiny shapes (~2x faster at level 0); the figures of a smoke check are not
+    worth optimised code. Only when ``XLA_FLAGS`` names no level, and only before the backend
+    starts (``XLA_FLAGS`` is read once, at the first ``jax.devices()``)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_backend_optimization_level" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {SMALL_XLA_FLAG}".strip()
+
+
 def default_dtype():
     from marft_jax.models.registry import default_dtype as d
     return d()
@@ -98,11 +116,15 @@ def part_attention(small: bool) -> dict:
 
     impl = attention.resolve("auto", dtype=default_dtype())
     b, t, h, kv, d = (2, 128, 4, 2, 16) if small else (4, 1024, 16, 4, 128)
-    ks = jax.random.split(jax.random.key(0), 3)
     dt = default_dtype()
-    q = jax.random.normal(ks[0], (b, t, h, d), dt)
-    k = jax.random.normal(ks[1], (b, kv, t, d), dt)
-    v = jax.random.normal(ks[2], (b, kv, t, d), dt)
+    if small:   # host random numbers: no compile per shape
+        rng = np.random.default_rng(0)
+        q, k, v = (jnp.asarray(rng.standard_normal(s), dt) for s in ((b, t, h, d), (b, kv, t, d), (b, kv, t, d)))
+    else:
+        ks = jax.random.split(jax.random.key(0), 3)
+        q = jax.random.normal(ks[0], (b, t, h, d), dt)
+        k = jax.random.normal(ks[1], (b, kv, t, d), dt)
+        v = jax.random.normal(ks[2], (b, kv, t, d), dt)
     seg = jnp.concatenate([jnp.ones((b, t // 2), jnp.int32), 2 * jnp.ones((b, t // 2), jnp.int32)], 1)
     ref = jax.jit(lambda *a: attention.segment_attention(*a, impl="xla"))(q, k, v, seg)
     got = jax.jit(lambda *a: attention.segment_attention(*a, impl=impl))(q, k, v, seg)
@@ -115,6 +137,27 @@ def _tiny_cfg():
     return ModelConfig(**TINY_SHAPE)
 
 
+def _tiny_params(std: float = 0.02, dtype=jnp.float32):
+    """:func:`marft_jax.models.decoder.init_params`'s tree for the tiny model, drawn on the host
+    (norm weights 1, the rest ``std`` x normal): the jitted draws compile once per shape, which
+    is seconds of a ``--small`` run."""
+    from marft_jax.models import decoder
+
+    cfg, rng = _tiny_cfg(), np.random.default_rng(0)
+    shapes = jax.eval_shape(lambda k: decoder.init_params(k, cfg, dtype=dtype, std=std), jax.random.key(0))
+    draw = lambda path, s: (np.ones(s.shape) if "norm" in jax.tree_util.keystr(path)
+                            else std * rng.standard_normal(s.shape)).astype(s.dtype)
+    return jax.device_put(jax.tree_util.tree_map_with_path(draw, shapes))
+
+
+def _init_state(key, cfg, lora_cfg, num_agents: int, optim, jit: bool):
+    """:func:`marft_jax.rl.state.init_train_state` (``jit``: one compile instead of one per draw)."""
+    from marft_jax.rl.state import init_train_state
+
+    init = lambda k: init_train_state(k, cfg, lora_cfg, num_agents, optim)
+    return (jax.jit(init) if jit else init)(key)
+
+
 def _smollm2():
     from marft_jax.models.registry import load_model
     return load_model("smollm2-135m", dtype=jnp.float32)
@@ -124,8 +167,8 @@ def part_parity(small: bool) -> dict:
     from marft_jax.models import decoder
 
     if small:
-        cfg, params = _tiny_cfg(), decoder.init_params(jax.random.key(0), _tiny_cfg(), std=0.1)
-        tokens = np.asarray(jax.random.randint(jax.random.key(1), (2, 32), 0, cfg.vocab_size), np.int32)
+        cfg, params = _tiny_cfg(), _tiny_params(std=0.1)
+        tokens = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 32)).astype(np.int32)
         model = "tiny-random"
     else:
         m = _smollm2()
@@ -179,8 +222,8 @@ def part_sampler(small: bool) -> dict:
     out: dict[str, Any] = {}
     if small:
         cfg = _tiny_cfg()
-        models = {"tiny-random": (cfg, lambda: decoder.init_params(jax.random.key(0), cfg))}
-        batches, plen, new = (4, 8), 16, 16
+        models = {"tiny-random": (cfg, _tiny_params)}
+        batches, plen, new = (4,), 16, 16       # one batch: each batch size compiles its own sampler
     else:
         qcfg = ModelConfig(**QWEN25_15B_SHAPE)
         models = {"smollm2-135m": (None, None),
@@ -208,14 +251,15 @@ def part_update(small: bool) -> dict:
     from marft_jax.models import decoder
     from marft_jax.models.config import ModelConfig
     from marft_jax.models.lora import LoraConfig
-    from marft_jax.rl.state import OptimConfig, init_train_state
+    from marft_jax.rl.state import OptimConfig
     from marft_jax.rl.update import UpdateBatch, UpdateConfig, ppo_update
     from marft_jax.train import peaks
 
     cfg = _tiny_cfg() if small else ModelConfig(**SMOLLM2_135M_SHAPE)
     rows, ctx, act = (2, 48, 16) if small else (8, 1920, 128)
-    params = decoder.init_params(jax.random.key(0), cfg, dtype=default_dtype())
-    state = init_train_state(jax.random.key(1), cfg, LoraConfig(rank=8), 1, OptimConfig())
+    params = (_tiny_params(dtype=default_dtype()) if small
+              else decoder.init_params(jax.random.key(0), cfg, dtype=default_dtype()))
+    state = _init_state(jax.random.key(1), cfg, LoraConfig(rank=8), 1, OptimConfig(), jit=small)
     rng = np.random.default_rng(0)
     shape = (1, rows, 1)
     av = np.ones(shape + (act,), bool)
@@ -245,7 +289,6 @@ def part_update(small: bool) -> dict:
 def part_iteration(small: bool, math_path: Path) -> dict:
     from marft_jax.bench import iteration as bench_it
     from marft_jax.config import load_config
-    from marft_jax.rl.state import init_train_state
     from marft_jax.train.build import build_run, lora_config, optim_config
 
     with contextlib.ExitStack() as stack:
@@ -265,8 +308,10 @@ def part_iteration(small: bool, math_path: Path) -> dict:
                                                       stack.enter_context(tempfile.TemporaryDirectory())])
         run = build_run(cfg)
         stack.callback(run.close)
-        state = init_train_state(jax.random.key(0), run.model.cfg, lora_config(cfg), cfg.team.num_agents,
-                                 optim_config(cfg, 2))
+        if small:   # one prompt bucket for both agents' prompts: one sampler compile, not two
+            run.learner.sampler.min_prompt_bucket = 128
+        state = _init_state(jax.random.key(0), run.model.cfg, lora_config(cfg), cfg.team.num_agents,
+                            optim_config(cfg, 2), jit=small)
         problems = bench_it.select_problems(run, wl, cfg.rollout.rows) if wl.agent0_context else \
             [p for _, p in zip(range(cfg.rollout.rows), run.task.problems("train", 0))]
         key = jax.random.key(0)
@@ -288,9 +333,13 @@ def main(argv=None) -> dict:
     p.add_argument("--skip", default="", help="comma-separated parts to skip: attention,parity,sampler,update,iteration")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
+    if args.small:
+        small_compile_flags()
     dev = jax.devices()[0]
     report = Report(device_kind=str(getattr(dev, "device_kind", dev.platform)), device_count=jax.device_count(),
                     backend=jax.default_backend(), small=args.small, versions=versions())
+    if args.small:
+        report["xla_flags"] = os.environ.get("XLA_FLAGS")
     skip = {s for s in args.skip.split(",") if s}
     parts = [("attention", ("attention", "attention_max_abs_diff"), lambda: part_attention(args.small)),
              ("parity", ("parity_kl",), lambda: part_parity(args.small)),
