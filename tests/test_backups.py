@@ -707,6 +707,39 @@ def test_flatten_roundtrip_and_execution_order():
         np.testing.assert_array_equal(layout.from_time_major_agent_sequences(tma, dec), arr)
 
 
+def test_response_rows_and_agent_major_views_round_trip_numpy_and_jax():
+    s_, b_, n_, k_ = 2, 3, 4, 5
+    x = np.arange(s_ * b_ * n_ * k_).reshape(s_, b_, n_, k_)
+    for arr, kind in ((x, np.ndarray), (jnp.asarray(x), jax.Array)):
+        rows = layout.flatten_responses(arr)               # row (s*B + b)*N + i
+        assert isinstance(rows, kind) and rows.shape == (s_ * b_ * n_, k_)
+        np.testing.assert_array_equal(rows[(1 * b_ + 2) * n_ + 3], x[1, 2, 3])
+        np.testing.assert_array_equal(layout.unflatten_responses(rows, (s_, b_, n_)), x)
+        am = layout.agent_major(arr)                        # [N, S*B, K], row s*B + b
+        assert isinstance(am, kind) and am.shape == (n_, s_ * b_, k_)
+        np.testing.assert_array_equal(am[3, 1 * b_ + 2], x[1, 2, 3])
+        np.testing.assert_array_equal(layout.from_agent_major(am, (s_, b_)), x)
+        ag = layout.flatten_agents(arr[0])                  # [B*N, K], row b*N + i
+        assert isinstance(ag, kind)
+        np.testing.assert_array_equal(ag[2 * n_ + 3], x[0, 2, 3])
+        np.testing.assert_array_equal(layout.unflatten_agents(ag, n_), x[0])
+    # the (row, agent) rows are those of the per-agent sequences
+    np.testing.assert_array_equal(layout.flatten_agents(x[0, :, :, 0]),
+                                  layout.flatten_agent_sequences(jnp.asarray(x[:1, ..., 0]), "action")[:, 0])
+
+
+def test_last_played_step_one_definition():
+    step_mask = np.array([[1, 1, 0, 1], [1, 0, 0, 1], [0, 0, 0, 1]], bool)   # [S=3, B=4]
+    np.testing.assert_array_equal(layout.last_played_step(step_mask), [1, 0, -1, 2])
+    onehot = np.asarray(layout.last_played_onehot(step_mask))
+    np.testing.assert_array_equal(onehot, [[0, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 1]])
+    x = np.arange(12, dtype=np.float32).reshape(3, 4) + 1
+    np.testing.assert_array_equal(layout.at_step(x, onehot), [5, 2, 0, 12])
+    np.testing.assert_array_equal(layout.at_last_played_step(x, step_mask), [5, 2, 0, 12])
+    flags = np.array([[0, 1, 1, 0], [1, 0, 1, 0], [1, 1, 1, 1]], bool)
+    np.testing.assert_array_equal(layout.at_step(flags, onehot), [True, True, False, True])
+
+
 def test_assert_layout_reports_name():
     dims = layout.assert_layout(jnp.zeros((2, 3, 4)), "value", layout.ACTION_AXES)
     assert dims == {"step": 2, "batch": 3, "agent": 4}

@@ -426,10 +426,11 @@ def _prepare(reward, value, dp_mask, step_mask, terminal) -> _Points:
 
 def _row_end(step_mask, terminal, truncated, reference_semantics):
     """Per row: whether V_boot is used at the virtual end point. ``[B]`` bool."""
-    term_last = layout.at_last_played_step(terminal, step_mask)
+    final = layout.last_played_onehot(step_mask)                       # [S, B]
+    term_last = layout.at_step(terminal, final)
     if reference_semantics:
         return jnp.logical_and(jnp.any(step_mask, axis=0), jnp.logical_not(term_last))
-    trunc_last = layout.at_last_played_step(truncated, step_mask)
+    trunc_last = layout.at_step(truncated, final)
     return jnp.logical_and(trunc_last, jnp.logical_not(term_last))
 
 
@@ -825,14 +826,14 @@ def independent_gae(
     impl = resolve_impl(impl)
     if impl == "native":
         return _native(reward, value, dp_mask, step_mask, terminal, truncated,
-                       v_boot.reshape(-1), independent=True, reference_semantics=False,
+                       layout.flatten_agents(v_boot), independent=True, reference_semantics=False,
                        gamma=gamma, lam=lam)
     pts = _prepare(reward, value, dp_mask, step_mask, terminal)
     has, terminal = pts.has, pts.terminal                               # [S, B, N], [S, B]
     cut = jnp.logical_and(has, _step_cuts(has, terminal[:, :, None]))   # per agent sequence
     chunk_link = jnp.where(cut, 0.0, 1.0).astype(jnp.float32)
     use_boot = _row_end(pts.step_mask, terminal, truncated.astype(bool), False)      # [B]
-    v_end = jnp.where(use_boot[:, None], v_boot.astype(jnp.float32), 0.0).reshape(-1)  # [B*N]
+    v_end = layout.flatten_agents(jnp.where(use_boot[:, None], v_boot.astype(jnp.float32), 0.0))   # [B*N]
     adv, ret = _solve(pts, chunk_link, v_end, independent=True,
                       gamma=gamma, lam=lam, impl=impl, unroll=unroll)
     return Backup(adv.reshape(value.shape), ret.reshape(value.shape))

@@ -10,7 +10,10 @@ their time-major twins for scans, :func:`time_major_decisions`) are the only pla
 reshape/transpose is written; :func:`flatten_agent_sequences` /
 :func:`unflatten_agent_sequences` (and :func:`time_major_agent_sequences`) are the only place
 the per-agent (independent PPO) view is written. Flat row ``r`` of the per-agent view is
-``(batch r // N, agent r % N)``.
+``(batch r // N, agent r % N)``. Rows of responses (contexts, features), of (row, agent) pairs
+and the agent-major view of the update are written in :func:`flatten_responses`,
+:func:`flatten_agents` and :func:`agent_major` (with their inverses), and the episode's last
+played step in :func:`last_played_step`.
 
 Masks are derived from lengths / ``act_mask``, never by comparing token ids with a pad id.
 """
@@ -22,6 +25,7 @@ from typing import Any, Mapping, Sequence
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 # Axis names and positions of the canonical layout.
 STEP, BATCH, AGENT, TOKEN = "step", "batch", "agent", "token"
@@ -242,6 +246,56 @@ def from_time_major_agent_sequences(x: jax.Array, decision_shape: Sequence[int])
 
 
 # ----------------------------------------------------------------------------------------------
+# Response rows: one row per response (step, row, agent), per (row, agent), or per agent.
+# These take NumPy arrays (host-side packing) and JAX arrays alike and return the same kind.
+
+
+def _moveaxis(x, source, destination):
+    return (np.moveaxis if isinstance(x, np.ndarray) else jnp.moveaxis)(x, source, destination)
+
+
+def flatten_responses(x: jax.Array) -> jax.Array:
+    """``[S, B, N, *rest]`` -> ``[S*B*N, *rest]``: one row per response (a context, a feature
+    vector), flat row ``r = (s*B + b)*N + i``."""
+    shape = jnp.shape(x)
+    return x.reshape((shape[0] * shape[1] * shape[2],) + tuple(shape[3:]))
+
+
+def unflatten_responses(x: jax.Array, response_shape: Sequence[int]) -> jax.Array:
+    """Inverse of :func:`flatten_responses`: ``[S*B*N, *rest]`` -> ``[S, B, N, *rest]`` for
+    ``response_shape = (S, B, N)``."""
+    return x.reshape(tuple(int(n) for n in response_shape) + tuple(jnp.shape(x)[1:]))
+
+
+def flatten_agents(x: jax.Array) -> jax.Array:
+    """``[B, N, *rest]`` -> ``[B*N, *rest]``: one row per (row, agent), flat row ``r = b*N + i``
+    (bootstrap contexts and values; the rows of :func:`flatten_agent_sequences`)."""
+    shape = jnp.shape(x)
+    return x.reshape((shape[0] * shape[1],) + tuple(shape[2:]))
+
+
+def unflatten_agents(x: jax.Array, num_agents: int) -> jax.Array:
+    """Inverse of :func:`flatten_agents`: ``[B*N, *rest]`` -> ``[B, N, *rest]``."""
+    return x.reshape((-1, int(num_agents)) + tuple(jnp.shape(x)[1:]))
+
+
+def agent_major(x: jax.Array) -> jax.Array:
+    """``[S, B, N, *rest]`` -> ``[N, S*B, *rest]``: each agent's responses as rows ``s*B + b``
+    (the update's scan over agents, the per-agent log-prob pass)."""
+    shape = jnp.shape(x)
+    x = _moveaxis(x, AGENT_AXIS, 0)                                     # [N, S, B, *rest]
+    return x.reshape((shape[2], shape[0] * shape[1]) + tuple(shape[3:]))
+
+
+def from_agent_major(x: jax.Array, step_batch: Sequence[int]) -> jax.Array:
+    """Inverse of :func:`agent_major`: ``[N, S*B, *rest]`` -> ``[S, B, N, *rest]`` for
+    ``step_batch = (S, B)``."""
+    shape = jnp.shape(x)
+    x = x.reshape((shape[0],) + tuple(int(n) for n in step_batch) + tuple(shape[2:]))   # [N, S, B, *rest]
+    return _moveaxis(x, 0, AGENT_AXIS)
+
+
+# ----------------------------------------------------------------------------------------------
 # Decision-point masks.
 
 
@@ -278,16 +332,39 @@ def lengths_to_mask(lengths: jax.Array, max_len: int) -> jax.Array:
 
 
 def last_played_step(step_mask: jax.Array) -> jax.Array:
-    """Index of the last played step of each row.
+    """Index of the last played step of each row: the one definition of the episode's final
+    step (rewards, backups, evaluation and metrics all read it through here).
 
     Args:
-      step_mask: ``[S, B]`` bool.
+      step_mask: ``[S, B]`` bool (NumPy or JAX).
 
     Returns:
       ``[B]`` int32, ``-1`` for a row with no played step.
     """
     s = jnp.arange(step_mask.shape[0], dtype=jnp.int32)[:, None]
-    return jnp.max(jnp.where(step_mask.astype(bool), s, -1), axis=0)
+    return jnp.max(jnp.where(jnp.asarray(step_mask, bool), s, -1), axis=0)
+
+
+def last_played_onehot(step_mask: jax.Array) -> jax.Array:
+    """``[S, B]`` bool, True only at each row's last played step (:func:`last_played_step`);
+    a row with no played step is all False. Compute it once and read several arrays at it with
+    :func:`at_step`."""
+    s_star = last_played_step(step_mask)                                  # [B]
+    return jnp.arange(jnp.shape(step_mask)[0], dtype=jnp.int32)[:, None] == s_star[None, :]
+
+
+def at_step(x: jax.Array, onehot: jax.Array) -> jax.Array:
+    """``x[s_b, b]`` for a ``[S, B, *rest]`` array at the step marked by ``onehot [S, B]`` bool
+    (at most one True per row; zeros/False where none is).
+
+    Returns:
+      ``[B, *rest]``, dtype of ``x``.
+    """
+    x = jnp.asarray(x)
+    onehot = onehot.reshape(onehot.shape + (1,) * (x.ndim - 2))
+    if x.dtype == jnp.bool_:
+        return jnp.any(jnp.logical_and(onehot, x), axis=0)
+    return jnp.sum(jnp.where(onehot, x, jnp.zeros((), x.dtype)), axis=0)
 
 
 def at_last_played_step(x: jax.Array, step_mask: jax.Array) -> jax.Array:
@@ -296,9 +373,4 @@ def at_last_played_step(x: jax.Array, step_mask: jax.Array) -> jax.Array:
     Returns:
       ``[B, *rest]``, dtype of ``x``.
     """
-    s_star = last_played_step(step_mask)                    # [B]
-    onehot = jnp.arange(x.shape[0])[:, None] == s_star[None, :]   # [S, B]
-    onehot = onehot.reshape(onehot.shape + (1,) * (x.ndim - 2))
-    if x.dtype == jnp.bool_:
-        return jnp.any(jnp.logical_and(onehot, x), axis=0)
-    return jnp.sum(jnp.where(onehot, x, jnp.zeros((), x.dtype)), axis=0)
+    return at_step(x, last_played_onehot(step_mask))

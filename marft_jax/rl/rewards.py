@@ -116,12 +116,12 @@ def place_reward(
         layout.assert_layout(reward, "reward", (layout.BATCH,), sizes=dims)
 
     valid = jnp.logical_and(dp_mask, step_mask.astype(bool)[(...,) + (None,) * (dp_mask.ndim - 2)])
-    s_star = layout.last_played_step(step_mask)                        # [B]
     num_steps = dp_mask.shape[0]
 
     if reward_to == "last" and links is not None and links.kind == "table":
         return _place_at_link_ends(reward, valid, links, level)
     if reward_to == "last":
+        s_star = layout.last_played_step(step_mask)                    # [B]
         flat = layout.flatten_decisions(valid, level)                  # [B, P]
         per_step = flat.shape[1] // num_steps
         idx = jnp.arange(flat.shape[1], dtype=jnp.int32)[None, :]
@@ -133,7 +133,7 @@ def place_reward(
         return layout.unflatten_decisions(placed, (num_steps,) + tuple(dp_mask.shape[2:]))
 
     # reward_to == "all": each agent's own last valid point of step s*.
-    at_final = jnp.arange(num_steps)[:, None] == s_star[None, :]       # [S, B]
+    at_final = layout.last_played_onehot(step_mask)                    # [S, B]
     r = reward if per_agent else jnp.broadcast_to(reward[:, None], valid.shape[1:3])   # [B, N]
     if level == "action":
         hit = jnp.logical_and(valid, at_final[:, :, None])

@@ -95,12 +95,6 @@ class UpdateBatch:
     word_count: jax.Array
 
 
-def _rows_view(x: jax.Array) -> jax.Array:
-    """``[S, b, N, ...] -> [N, S*b, ...]``: agent-major rows for the scan over agents."""
-    x = jnp.moveaxis(x, layout.AGENT_AXIS, 0)
-    return x.reshape((x.shape[0], x.shape[1] * x.shape[2]) + x.shape[3:])
-
-
 def _micro(x: jax.Array, m: int) -> jax.Array:
     """``[R, ...] -> [m, R/m, ...]``."""
     return x.reshape((m, x.shape[0] // m) + x.shape[1:])
@@ -213,7 +207,7 @@ def update_agents(base, cfg: ModelConfig, ucfg: UpdateConfig, lora: LoraStack, l
     fields = ("act_tokens", "act_valid", "logp_old", "adv", "dp_mask", "word_count")
     if packed is None:
         fields = ("ctx_tokens", "ctx_valid") + fields
-    per_agent = {f: _rows_view(getattr(mb, f)) for f in fields}            # [N, R, ...]
+    per_agent = {f: layout.agent_major(getattr(mb, f)) for f in fields}            # [N, R, ...]
     if packed is not None:
         per_agent["packed"], per_agent["gather"] = packed
     num_rows = per_agent["act_tokens"].shape[1]
@@ -248,11 +242,11 @@ def critic_values(critic: CriticParams, base, cfg: ModelConfig, ucfg: UpdateConf
     if critic.lora is None:
         return value_head(critic.head, mb.feats)
     s, b, n, l = mb.ctx_tokens.shape
-    flat = lambda x: x.reshape((s * b * n,) + x.shape[3:])
+    flat = layout.flatten_responses
     feats = critic_features_fn(base, flat(mb.ctx_tokens), flat(mb.ctx_valid), flat(mb.act_tokens),
                                flat(mb.act_valid), cfg=cfg, token_level=ucfg.token_level,
                                lora=critic.lora, remat=resolve_remat(ucfg.remat, l + mb.act_tokens.shape[-1]))
-    return value_head(critic.head, feats).reshape(mb.v_old.shape)
+    return layout.unflatten_responses(value_head(critic.head, feats), (s, b, n))
 
 
 @jax.named_scope("update/critic_step")

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 
 from marft_jax.envs.task import Problem, Transcript
+from marft_jax.rl import layout
 from marft_jax.rl.state import TrainState
 from marft_jax.train.iteration import TeamLearner
 
@@ -56,7 +57,7 @@ def evaluate(learner: TeamLearner, state: TrainState, problems: Sequence[Problem
             key, k = jax.random.split(key)
             traj, texts = learner.play(state, chunk, k, sampling=sampling)
             step_mask = np.asarray(traj.step_mask)
-            last = step_mask.shape[0] - 1 - np.argmax(step_mask[::-1], axis=0)
+            last = np.asarray(layout.last_played_step(step_mask))              # [B]
             final = np.asarray(traj.score)[last, np.arange(len(chunk))]
             passed = final >= learner.rollout_cfg.success_threshold
             correct += list(passed)

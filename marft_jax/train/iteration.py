@@ -317,11 +317,9 @@ class TeamLearner:
     def episode_metrics(self, traj) -> dict:
         """Accuracy, per-agent rewards and completion statistics of a trajectory."""
         step_mask = np.asarray(traj.step_mask)
-        score = np.asarray(traj.score)
-        agent_score = np.asarray(traj.agent_score)
-        last = step_mask.shape[0] - 1 - np.argmax(step_mask[::-1], axis=0)     # last played step
-        rows = np.arange(step_mask.shape[1])
-        final = score[last, rows]
+        final_step = layout.last_played_onehot(step_mask)                      # [S, B]
+        final = np.asarray(layout.at_step(traj.score, final_step))              # [B]
+        final_agent_score = np.asarray(layout.at_step(traj.agent_score, final_step))   # [B, N]
         m = {"episode/accuracy": float((final >= self.rollout_cfg.success_threshold).mean()),
              "episode/score_mean": float(final.mean()),
              "episode/steps_mean": float(step_mask.sum(0).mean())}
@@ -329,7 +327,7 @@ class TeamLearner:
         clipped = np.asarray(traj.budget_clipped)
         for i, role in enumerate(self.team.roles):
             played = step_mask
-            m[f"rewards/{role}/mean"] = float(agent_score[last, rows, i].mean())
+            m[f"rewards/{role}/mean"] = float(final_agent_score[:, i].mean())
             m[f"completions/{role}/mean_length"] = float(lengths[..., i][played].mean())
             m[f"completions/{role}/clipped_ratio"] = float(clipped[..., i][played].mean())
         return m

@@ -145,14 +145,14 @@ def feature_inputs(traj: Trajectory, *, token_level: bool, tokens_per_call: int,
         ctx, cv = np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid)
     act, av = np.asarray(traj.act_tokens), np.asarray(traj.act_valid)
     bt, bv = np.asarray(traj.boot_ctx_tokens), np.asarray(traj.boot_ctx_valid)
-    flat = lambda x: x.reshape((-1,) + x.shape[3:])
+    flat, flat_boot = layout.flatten_responses, layout.flatten_agents
     if token_level:   # the critic reads every action position: ctx ‖ act
         seqs = [packing.sequence(c, v, a, m) for c, v, a, m in zip(flat(ctx), flat(cv), flat(act), flat(av))]
     else:             # only the last context token: the response is not an input
         seqs = [packing.sequence(c, v) for c, v in zip(flat(ctx), flat(cv))]
     n_main = len(seqs)
-    seqs += [packing.sequence(c, v) for c, v in zip(bt.reshape(-1, L), bv.reshape(-1, L))]
-    n_ctx = np.concatenate([flat(cv).sum(-1), bv.reshape(-1, L).sum(-1)])
+    seqs += [packing.sequence(c, v) for c, v in zip(flat_boot(bt), flat_boot(bv))]
+    n_ctx = np.concatenate([flat(cv).sum(-1), flat_boot(bv).sum(-1)])
     s_, b_, i_ = np.meshgrid(np.arange(S), np.arange(B), np.arange(N), indexing="ij")
     chains = list(zip(zip(b_.ravel().tolist(), i_.ravel().tolist()), s_.ravel().tolist()))
     chains += [((b, i), S) for b in range(B) for i in range(N)]
@@ -185,8 +185,8 @@ def critic_features(base, critic: CriticParams, traj: Trajectory, *, cfg: ModelC
                                                   policy=policy, placement=placement, share=share)
     out = _host(_packed_hidden_at(base, critic.lora, calls, gather, cfg=cfg))
     feats = out[:n_main] if token_level else out[:n_main, 0]
-    feats = feats.reshape((S, B, N) + feats.shape[1:])
-    boot = out[n_main:, 0].reshape(B, N, -1)
+    feats = layout.unflatten_responses(feats, (S, B, N))
+    boot = layout.unflatten_agents(out[n_main:, 0], N)
     return feats, boot, stats
 
 
@@ -200,11 +200,11 @@ def recompute_logprobs(base, lora: LoraStack, traj: Trajectory, *, cfg: ModelCon
     plan, stats = packing.plan_update(np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid),
                                       np.asarray(traj.act_tokens), np.asarray(traj.act_valid), perms,
                                       micro_batches=1, policy=policy, share=share)
-    per_agent = lambda x: jnp.asarray(np.moveaxis(np.asarray(x), 2, 0).reshape((N, S * B) + x.shape[3:]))
+    per_agent = lambda x: jnp.asarray(layout.agent_major(np.asarray(x)))
     logp, ent = _packed_logprobs(base, lora, _place_rows(placement, jax.tree.map(lambda x: x[0, 0], plan.rows), 1),
                                  jnp.asarray(plan.gather[0, 0]), per_agent(traj.act_tokens),
                                  per_agent(traj.act_valid), temperature, cfg=cfg, chunk=chunk)
-    back = lambda x: np.moveaxis(_host(x).reshape(N, S, B, K), 0, 2)
+    back = lambda x: layout.from_agent_major(_host(x), (S, B))
     return back(logp), back(ent), stats
 
 
