@@ -273,3 +273,274 @@ def test_huge_exponents_return_within_the_time_limit():
             assert time.monotonic() - start < 2.0 + 30.0  # the limit plus a worker restart
     finally:
         worker.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# More notations as people write them (issue 18): plain-text and Unicode scientific notation,
+# repeating decimals in every common spelling. Values hand-derived: 3.2e5 = 320000,
+# 1.2(34) = 1.2343434... = 611/495, 0.58(3) = 7/12.
+# ---------------------------------------------------------------------------------------------
+
+MORE_NOTATION_VALUES = [
+    # scientific, ASCII
+    ("3.2e5", F(320000)),
+    ("3.2E+05", F(320000)),
+    ("3.2e+5", F(320000)),
+    ("3.2E-05", F(1, 31250)),
+    ("-3.2e5", F(-320000)),
+    (".5e2", F(50)),
+    ("3.2 x 10^5", F(320000)),
+    ("3.2 X 10^5", F(320000)),
+    ("3.2x10^5", F(320000)),
+    ("3.2*10**5", F(320000)),
+    ("3.2 * 10 ** 5", F(320000)),
+    ("3.2 x 10^(5)", F(320000)),
+    ("3.2 x 10^{+5}", F(320000)),
+    ("3.2 x 10^{-5}", F(1, 31250)),
+    ("32 x 10^4", F(320000)),
+    ("0.32 x 10^6", F(320000)),
+    # scientific, LaTeX
+    ("3.2 \\times 10^{5}", F(320000)),
+    ("3.2\\times10^{5}", F(320000)),
+    ("3.2 \\cdot 10^{5}", F(320000)),
+    ("3.2 \\times 10^5", F(320000)),
+    ("$3.2 \\times 10^{5}$", F(320000)),
+    # scientific, Unicode: ×, ·, ⋅, superscript exponents, the minus sign
+    ("3.2 \u00d7 10^5", F(320000)),
+    ("3.2\u00d710\u2075", F(320000)),
+    ("3.2 \u00b7 10^5", F(320000)),
+    ("3.2 \u22c5 10^5", F(320000)),
+    ("1.5\u00b710\u207b\u00b3", F(3, 2000)),
+    ("1.5 \u00d7 10\u207b\u00b3", F(3, 2000)),
+    ("\u22123.2e5", F(-320000)),
+    ("2.5 \u00d7 10\u207b\u2074", F(1, 4000)),
+    # units after the number
+    ("3.2e5 meters", F(320000)),
+    ("3 x 10^8 m/s", F(300000000)),
+    # repeating: parentheses, brackets, overline, bar, dots
+    ("1.2(34)", F(611, 495)),
+    ("2.(142857)", F(15, 7)),
+    ("0.8(3)", F(5, 6)),
+    ("0.[3]", F(1, 3)),
+    ("0.\\overline{142857}", F(1, 7)),
+    ("1.\\overline{09}", F(12, 11)),
+    ("0.0\\overline{3}", F(1, 30)),
+    ("0.\\bar 3", F(1, 3)),
+    ("0.\\dot 3", F(1, 3)),
+    ("0.\\dot{1}\\dot{8}", F(2, 11)),
+    ("0.58\\dot{3}", F(7, 12)),
+    ("\u22120.(6)", F(-2, 3)),
+    # repeating: a combining overline over the digits (0.3̅, 0.16̅)
+    ("0.3\u0305", F(1, 3)),
+    ("0.16\u0305", F(1, 6)),
+    ("0.1\u03056\u0305", F(16, 99)),
+    # repeating: an ellipsis after a visibly repeated block
+    ("0.999...", F(1)),
+    ("0.0909...", F(1, 11)),
+    ("2.333...", F(7, 3)),
+    ("0.8333\u2026", F(5, 6)),
+    # repeating: words
+    ("0.3 recurring", F(1, 3)),
+    ("0.3 repeats", F(1, 3)),
+    ("0.3 repeated", F(1, 3)),
+    ("0.33 recurring", F(1, 3)),
+    ("0.1 with 6 repeating", F(1, 6)),
+    ("0.16 with the 6 repeating", F(1, 6)),
+    ("0.1666 (6 repeating)", F(1, 6)),
+    ("0.45 with 45 repeating", F(5, 11)),
+    ("0.3 repeating cm", F(1, 3)),
+]
+
+
+@pytest.mark.parametrize("answer, value", MORE_NOTATION_VALUES)
+def test_more_notation_values(answer, value):
+    assert notation_value(answer) == value
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        "0.333",  # a plain decimal
+        "320000",
+        "3.2e5x",
+        "3.2 x 10^5 x",  # a single letter after it is a variable, not a unit
+        "3.2 x 10",
+        "3.2 10^5",  # no multiplication sign
+        "3.2e5 + 1",
+        "10^5",  # a bare power: math-verify reads it
+        "10^10^10^10",
+        "1e999999999",  # exponent over the cap
+        "3.2 \\times 10^{999999999}",
+        "2(34)",  # no decimal point: a product
+        "0.(3",  # unclosed
+        "0.()",
+        "0.1 with 6",  # no repeating word
+        "e5",
+        "0." + "3" * 5000 + "...",  # over the size cap
+        "3 log 10",
+        "1.5 million",  # a magnitude word is a unit, as in GSM8K (see test_magnitude_word_is_a_unit)
+    ],
+)
+def test_more_non_notations(answer):
+    assert notation_value(answer) is None
+
+
+# (model output, gold, reward): notations in prose, outside \boxed.
+MORE_NOTATION_GRADES = [
+    # scientific, positives
+    ("The answer is 3.2e5.", "320000", 1),
+    ("The answer is 3.2E+05", "320000", 1),
+    ("The answer is 3.2 x 10^5", "320000", 1),
+    ("The answer is 3.2 \u00d7 10^5.", "3.2 \\times 10^{5}", 1),
+    ("The answer is 3.2*10**5", "320000", 1),
+    ("The answer is $3.2 \\times 10^{5}$.", "320000", 1),
+    ("Answer: 1.5\u00b710\u207b\u00b3", "0.0015", 1),
+    ("Answer: 1.5\u00b710\u207b\u00b3", "\\frac{3}{2000}", 1),
+    ("So the distance is 3.2e5 km.", "320000", 1),
+    ("so v = 3.2 \u22c5 10^5", "320000", 1),
+    ("the answer is 2.5 \u00d7 10\u207b\u2074", "0.00025", 1),
+    ("\\boxed{3.2 \\cdot 10^{5}}", "320000", 1),
+    ("\\boxed{\u22124}", "-4", 1),
+    ("The answer is \u22123.2e5", "-320000", 1),
+    ("There are 10\u2075 ways", "100000", 1),
+    ("The answer is 320000", "3.2 \\times 10^{5}", 1),
+    # scientific, near misses: same digits, other exponent or sign; the mantissa; the exponent
+    ("The answer is 3.2e5", "32000", 0),
+    ("The answer is 3.2e5", "3200000", 0),
+    ("The answer is 3.2e5", "3.2", 0),
+    ("The answer is 3.2 x 10^5", "320001", 0),
+    ("The answer is 3.2 x 10^5", "5", 0),
+    ("The answer is 3.2 x 10^5", "10^5", 0),
+    ("The answer is 3.2e-5", "320000", 0),
+    ("The answer is 3.2E+05", "0.000032", 0),
+    ("The answer is -3.2e5", "320000", 0),
+    ("Answer: 1.5\u00b710\u207b\u00b3", "0.015", 0),
+    ("Answer: 1.5\u00b710\u207b\u00b3", "1500", 0),
+    ("so v = 3.2 \u22c5 10^5", "5", 0),
+    ("There are 10\u2075 ways", "5", 0),
+    ("The answer is 32000", "3.2 \\times 10^{5}", 0),
+    # repeating, positives
+    ("The answer is 0.333...", "\\frac{1}{3}", 1),
+    ("The answer is 0.(3).", "\\frac13", 1),
+    ("The answer is $0.\\overline{3}$.", "1/3", 1),
+    ("The answer is 0.3 repeating", "\\frac{1}{3}", 1),
+    ("The answer is $0.\\dot{3}$", "\\frac{1}{3}", 1),
+    ("The answer is 0.1(6)", "\\frac{1}{6}", 1),
+    ("The answer is 1.2(34)", "\\frac{611}{495}", 1),
+    ("The answer is 0.3\u0305", "\\frac{1}{3}", 1),
+    ("So x = 0.1666...", "\\frac{1}{6}", 1),
+    ("so x = 1.2(34)", "\\frac{611}{495}", 1),
+    ("The answer is 0.1 with 6 repeating.", "\\frac{1}{6}", 1),
+    ("the answer is 2.(142857)", "\\frac{15}{7}", 1),
+    ("The answer is 0.999...", "1", 1),
+    ("The answer is \\frac{1}{6}", "0.1\\overline{6}", 1),
+    ("\\boxed{0.(142857)}", "0.142857", 1),  # math-verify's documented 6-decimal rounding
+    # repeating, near misses: the truncation, the repetend read as a factor, another repetend
+    ("The answer is 0.333", "\\frac{1}{3}", 0),
+    ("The answer is 0.3333", "\\frac13", 0),
+    ("The answer is 0.33333", "\\frac13", 0),
+    ("The answer is 0.(3)", "0.333", 0),
+    ("The answer is 0.(3)", "3", 0),
+    ("The answer is 1.2(34)", "1.234", 0),
+    ("The answer is 1.2(34)", "\\frac{37}{30}", 0),  # 1.2333...
+    ("\\boxed{1.2(34)}", "40.8", 0),  # not 1.2 * 34
+    ("The answer is 0.1(6)", "0.16", 0),
+    ("The answer is 0.(6)", "\\frac{1}{3}", 0),
+    ("The answer is 0.\\overline{3}", "\\frac{3}{10}", 0),
+    ("The answer is 0.3 repeating", "0.3", 0),
+    ("The answer is 0.\\dot{3}", "0.3", 0),
+    ("The answer is 0.333...", "0.33", 0),
+    ("The answer is 0.(3)", "-\\frac{1}{3}", 0),
+    ("The answer is 0.16", "0.1\\overline{6}", 0),
+    ("The answer is 0.3\u0305", "0.3", 0),
+]
+
+
+@pytest.mark.parametrize("output, gold, expected", MORE_NOTATION_GRADES)
+def test_more_notation_grading(output, gold, expected):
+    score = grade(output, gold)
+    assert score.reward == expected, score.info
+    if expected == 0:
+        assert score.info["reason"] == "wrong"
+
+
+@pytest.mark.parametrize(
+    "text, answer",
+    [
+        ("so v = 3.2 \u22c5 10^5", "3.2 \u22c5 10^5"),
+        ("the mass is 1.5\u00b710\u207b\u00b3 kg", "1.5\u00b710^{-3}"),
+        ("There are 10\u2075 ways", "10^{5}"),
+        ("we get 2^10 subsets", "2^10"),
+        ("so x = 1.2(34)", "1.2(34)"),
+        ("so x = 0.3\u0305", "0.\\overline{3}"),
+        ("the population is 1.5 million", "1.5"),
+        ("the area is 980 cm\u00b3", "980"),  # an exponent alone is never the answer
+        ("so the area is 25 m^2", "25"),
+        ("so x_{1} = 4", "4"),
+        ("it costs \u22125 dollars", "-5"),
+        ("The range is 2\u20135", "5"),  # an en dash between numbers is a range, not a minus
+    ],
+)
+def test_last_number_reads_more_notations(text, answer):
+    assert extract_answer(text) == (answer, "last_number")
+
+
+@pytest.mark.parametrize(
+    "output, gold, expected",
+    [
+        ("The answer is $4 million.", "4", 1),  # GSM8K: "how many millions ..." has gold 4
+        ("There is 32 - 28 = $4 million to manage public spaces.", "4", 1),
+        ("The answer is $4 million.", "5", 0),
+        ("\\boxed{2.5 \\text{ billion}}", "2.5", 1),
+    ],
+)
+def test_magnitude_word_is_a_unit(output, gold, expected):
+    assert grade(output, gold).reward == expected
+
+
+def test_plain_decimals_tolerance_matches_the_documented_rounding():
+    """Plain decimals keep math-verify's 6-decimal rounding: 0.3333333 matches 1/3, 0.333 does not."""
+    assert grade("\\boxed{0.3333333}", "\\frac{1}{3}").reward == 1.0
+    assert grade("\\boxed{0.333}", "\\frac{1}{3}").reward == 0.0
+    assert grade("\\boxed{0.142857}", "\\frac{1}{7}").reward == 1.0
+    assert grade("\\boxed{0.14285}", "\\frac{1}{7}").reward == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Pathological answers return within the hard time limit
+# ---------------------------------------------------------------------------------------------
+
+
+def test_huge_integers_are_compared_exactly_without_the_worker():
+    big = "9" * 5000  # over Python's 4300-digit int() limit
+    assert grade(f"\\boxed{{{big}}}", big).reward == 1.0
+    score = grade(f"The answer is {big}", big[:-1] + "8")
+    assert score.reward == 0.0 and score.info["method"] == "integer"
+    assert grade(f"\\boxed{{00{big}}}", big).info["method"] == "integer"
+
+
+def test_pathological_answers_return_within_the_time_limit():
+    worker = VerifyWorker(startup_timeout_s=60)
+    limit = 1.5
+    try:
+        worker.check("1", "1", timeout_s=30)  # start the worker outside the timed region
+        outputs = [
+            "The answer is 1e999999999",
+            "\\boxed{10^10^10^10}",
+            "The answer is 10^{10^{10^{10}}}",
+            "So x = 3.2 \\times 10^{999999999}",
+            "The answer is " + "9" * 100_000,
+            "The answer is 0." + "3" * 20_000 + "...",
+            "The answer is 1.5\u00b710\u207b" + "\u2079" * 50,
+        ]
+        for output in outputs:
+            starts = worker.starts
+            start = time.monotonic()
+            score = grade(output, "\\frac{1}{3}", timeout_s=limit, worker=worker)
+            elapsed = time.monotonic() - start
+            assert score.reward == 0.0, (output[:40], score.info)
+            # the limit (a killed worker is replaced on the next call: allow its start-up there)
+            restarted = worker.starts > starts
+            assert elapsed < limit + 2.0 + (30.0 if restarted else 0.0), (output[:40], elapsed)
+    finally:
+        worker.close()

@@ -2,15 +2,24 @@
 
 Reference: ``docs/marft-reference.md`` section 4.
 
-Extraction (:func:`extract_answer`), in order:
+Extraction (:func:`extract_answer`), in order, after Unicode math is spelled out
+(:func:`plain_math_text`: ``−``, ``10⁻³``, ``0.3̅``):
   1. the content of the last brace-balanced ``\\boxed{...}`` / ``\\fbox{...}``
      (``\\boxed 5`` without braces takes the next whitespace-delimited token);
-  2. the text after the last "the answer is" / "final answer is", to the end of the sentence,
-     cut before a justification word ("12 because 4 groups of 3" -> "12"; also since, as,
-     due to, given, which, so, hence, thus, therefore); an ellipsis right after decimal
-     digits ("0.333...") belongs to the number, not to the sentence;
+  2. the answer stated after the last "answer is" / "answer:" marker ("The answer is", "final
+     answer:", "My answer is", "**Answer:**"), to the end of the sentence (:func:`stated_answer`):
+     after a conclusion word ("is therefore 12"), cut before a justification ("12 because 4
+     groups of 3" -> "12"; also since, as, due to, given, which, so, hence, thus, therefore,
+     for, an em dash, `` -- ``) and after a leading number followed by prose ("12: four groups
+     of 3", "12 (4 x 3)", "12, i.e. ...", "$12$ apples" -> "12"); an ellipsis right after
+     decimal digits ("0.333...") belongs to the number, not to the sentence. A marker that
+     states nothing (negated: "not 5"; prose: "Let's think step by step") defers to the one
+     before, then to step 3;
   3. the last number in the text (``last_number_fallback``, default on), with the notations
-     below taken whole ("3 x 10^8", "0.(3)").
+     below taken whole ("3 x 10^8", "0.(3)", "10^{-3}"); but when its sentence states a number
+     and then justifies it ("x = 7, since 2x = 14"), the stated number (:func:`stated_number`).
+All of it runs in linear time in the response (no regex can backtrack quadratically), since it
+runs in the caller's process, outside the worker's hard time limit.
 
 Equivalence (:func:`grade`), first decisive step wins; ``info["method"]`` names it:
   ``"exact"``       the normalized strings are identical (cheap shortcut, always sound);
@@ -25,9 +34,10 @@ When math-verify fails and the numeric fallback does not apply, the reward is 0 
 
 Before comparing, both sides written in a plain-text number notation are rewritten to their
 exact value (:func:`rewrite_notation`; rules in :func:`notation_value`): scientific notation
-(``1.5e3``, ``1.5 x 10^3``, ``1.5 \\times 10^{3}``) and repeating decimals (``0.(3)``,
-``0.1\\overline{6}``, ``0.\\dot{3}``, ``0.3 repeating``, and ``0.333...`` only when a digit
-block is visibly repeated before the ellipsis). Plain decimals are never read as repeating:
+(``1.5e3``, ``3.2E+05``, ``1.5 x 10^3``, ``3.2*10**5``, ``1.5 \\times 10^{3}``, ``1.5·10⁻³``)
+and repeating decimals (``0.(3)``, ``1.2(34)``, ``0.1\\overline{6}``,
+``0.\\dot{3}``, ``0.3̅``, ``0.3 repeating``, ``0.1 with 6 repeating``, and ``0.333...`` only when
+a digit block is visibly repeated before the ellipsis). Plain decimals are never read as repeating:
 ``0.33`` and ``0.3333`` differ from 1/3 (math-verify rounds to 6 decimal places, so
 ``0.333333`` already matched and still does).
 
@@ -38,6 +48,7 @@ GSM8K worked solutions go through :func:`gsm8k_final_answer` first.
 from __future__ import annotations
 
 import atexit
+import bisect
 import fractions
 import importlib
 import json
@@ -66,84 +77,229 @@ MAX_NOTATION_DIGITS = 200
 # ----------------------------------------------------------------------------------------------
 
 _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
-_ANSWER_IS_RE = re.compile(r"(?:final answer|the answer)\s*(?:is\b|:)\s*:?", re.IGNORECASE)
-_SENTENCE_END_RE = re.compile(r"\.(?=\s|$)|\n")
-# "0.333..." : an ellipsis after decimal digits belongs to the number, not to the sentence.
-_DECIMAL_ELLIPSIS_RE = re.compile(r"(?<=\d\.)(\d+)\.\.\.")
-# A justification after the stated answer: "12 because 3 * 4 = 12", "7, since 10 - 3 = 7".
+# Every regex below is linear in its input: each ``\s*`` follows a fixed token, so a long run of
+# spaces, digits or markers cannot make the engine try quadratically many splits (the text is
+# read in the trainer's process, outside the worker's time limit).
+
+# "the answer is", "final answer:", "My answer is", "**Answer:**", "Answer: 12".
+_ANSWER_IS_RE = re.compile(r"\banswer(?:\s*(?:\*\*|__))?\s*(?:is\b|:)(?:\s*:)?", re.IGNORECASE)
+# The end of the stated answer's sentence (group "end"): a period before a space or the end, or
+# a newline. An ellipsis after decimal digits ("0.333...") belongs to the number and the periods
+# of "i.e." / "e.g." to the sentence, so they are matched (and skipped) first.
+_SENTENCE_END_RE = re.compile(r"(?<=\d\.)\d+\.\.\.|\b[ie]\.[eg]\.|(?P<end>\.(?=\s|$)|\n)", re.IGNORECASE)
+# A justification after the stated answer: "12 because 3 * 4 = 12", "7, since 10 - 3 = 7",
+# "12 for 4 groups of 3", "12 \u2014 from 4 groups of 3", "12 -- 3*4", "12 \u2013 from ...".
 _JUSTIFICATION_RE = re.compile(
-    r"\s*[,;]?\s*\(?\s*\b(?:because|since|as|due to|given|which|so|hence|thus|therefore)\b",
+    r"(?:[,;]\s*)?(?:\(\s*)?\b(?:because|since|as|due to|given|which|so|hence|thus|therefore|for)\b"
+    r"|\u2014|\s(?:\u2013|--)\s",
     re.IGNORECASE,
+)
+# Words between "the answer is" and the answer: "the answer is therefore 12", "... is: just 12".
+_LEADING_ADVERB_RE = re.compile(
+    r"(?:therefore|thus|hence|then|clearly|simply|just|indeed|actually|exactly|equal to|as follows)\b[\s,:]*",
+    re.IGNORECASE,
+)
+# "the answer is not 5", "our answer is correct": a marker that does not state the answer.
+_NEGATED_RE = re.compile(r"not\b", re.IGNORECASE)
+_VERDICT_RE = re.compile(
+    r"(?:correct|incorrect|right|wrong|reasonable|valid|invalid|consistent|confirmed|verified|checked)\W*",
+    re.IGNORECASE,
+)
+# Only delimiters: "Answer: \[" with the mathematics on the next lines.
+_DELIMITERS_RE = re.compile(r"(?:\\[\[(]|\$|[\s:*_])*")
+# "Answer: Let's think step by step": prose (no digit, no mathematics, four or more words) states
+# no answer either; a one-word or short answer ("C", "Tuesday", "(B)") does.
+_MATH_CHAR_RE = re.compile(r"[\d\\$^=()\[\]{}+*/<>|_]")
+# Without an "answer is" marker, a justification is only a word that looks back at what was
+# stated ("so" and "hence" introduce conclusions there): "x = 7, since 2x = 14".
+_BACKWARD_RE = re.compile(
+    r"\b(?:because|since|due to|given that)\b"
+    r"|,\s*as\b(?!\s+(?:well|a result|follows|such|shown|expected|before|above|required|needed)\b)",
+    re.IGNORECASE,
+)
+# A justification word right after one of these starts a fronted clause, not a justification:
+# "we had 10, and since 3 were eaten, 7 remain"; after a semicolon only when a comma follows
+# ("10 apples; since 3 were eaten, 7 remain", but "x = 7; since 2x = 14" justifies 7).
+_FRONTED_RE = re.compile(
+    r"(?:\b(?:and|but|or|so|then|thus|hence|therefore|now|next|finally|also|while)\b|(?P<semi>;))[\s,]*$",
+    re.IGNORECASE,
+)
+# A conclusion after a justification: the sentence goes on to state its result, which is then
+# the last number ("3 boxes because each holds 4, so the total is 12").
+_CONCLUSION_RE = re.compile(
+    r"\b(?:so|thus|hence|therefore|consequently|giving|leaving|yielding|resulting in|for a total of"
+    r"|which (?:gives|means|makes|leaves)|this gives|that gives)\b",
+    re.IGNORECASE,
+)
+# After a justification, a comma then a main clause (not "and", "or", "which"...): the
+# justification was fronted ("After 2 hours, since the speed is 30, the distance is 60").
+_MAIN_CLAUSE_RE = re.compile(
+    r",(?:\$|\\\))?\s+(?!(?:and|or|but|which|where|so|as|because|since)\b|i\.e\.|e\.g\.|that is\b)",
+    re.IGNORECASE,
+)
+# A justification that ends on a computed result: "... because 300 - 245 = 55" (then at last.start()).
+_RESULT_GAP_RE = re.compile(r"=\s*\$?\s*$")
+# What may stand between a stated number and its justification: "7, since", "7 (because", "$7$ as".
+_DIRECT_GAP_RE = re.compile(r"[\s,;(*$]*")
+# A sentence that only justifies the one before: "This is because 4 groups of 3."
+_JUSTIFICATION_SENTENCE_RE = re.compile(
+    r"\s*(?:(?:this|that|it)\s+is\s+|that's\s+|it's\s+)?because\b", re.IGNORECASE
+)
+# Sentence or clause starts (group "end") for the last-number fallback ("Step 2: since ...";
+# a period before a closing math delimiter, "$a = 13.$ Then", "= 13536.\]Since", ends one too);
+# an ellipsis after decimals and "i.e." / "e.g." are skipped as in _SENTENCE_END_RE.
+_CLAUSE_START_RE = re.compile(
+    r"(?<=\d\.)\d+\.\.\.|\b[ie]\.[eg]\.|(?P<end>[.!?](?=\s)|[.!?](?:\$\$?|\\[)\]])|\n|:\s)", re.IGNORECASE
 )
 
 # Plain-text number notations (shared by last_number and notation_value).
-_TIMES = r"(?:[xX\u00d7*\u00b7]|\\times|\\cdot)"
-_SCI_TAIL = rf"(?:[eE][-+]?\d+(?!\w|\.\d)|\s*{_TIMES}\s*10\s*\^\s*(?:\{{\s*[-+]?\d+\s*\}}|[-+]?\d+))"
+_TIMES = r"(?:[xX\u00d7*\u00b7\u22c5\u2219]|\\times|\\cdot)"
+
+
+def _pow10(exponent: str) -> str:
+    """``10^n``, ``10^{n}``, ``10^(n)`` or ``10**n`` with ``n`` matching ``exponent``."""
+    return rf"10\s*(?:\^|\*\*)\s*(?:\{{\s*{exponent}\s*\}}|\(\s*{exponent}\s*\)|{exponent})"
+
+
+_INT = r"[-+]?\d+"
+_POW10_ANY = _pow10(_INT)
+_SCI_TAIL = rf"(?:[eE]{_INT}(?!\w|\.\d)|\s*{_TIMES}\s*{_POW10_ANY})"
 _ELLIPSIS = r"(?:\.\.\.|\u2026|\\[lc]?dots)"
-_REPEAT_WORD = r"\(?(?:repeating|recurring|repeated)\)?"
+_REPEAT_VERB = r"(?:repeating|recurring|repeated|repeats|recurs)"
+_REPEAT_WORD = rf"\(?{_REPEAT_VERB}\)?"
+# "0.1 with 6 repeating", "0.16 with the 6 repeating", "0.1666 (6 repeating)"
+_REPEAT_PHRASE = (
+    rf"(?:,?\s*with\s+(?:the\s+)?(?P<rep>\d+)(?:'?s)?\s+{_REPEAT_VERB}"
+    rf"|\s*\(\s*(?P<rep2>\d+)(?:'?s)?\s+{_REPEAT_VERB}\s*\))"
+)
 _DOT = r"\\dot\s*\{?\d\}?"
-_MARKED_REPETEND = rf"(?:\(\d+\)|\\(?:overline|bar)\s*(?:\{{\d+\}}|\d)|{_DOT}(?:\d*{_DOT})?)"
+_MARKED_REPETEND = (
+    rf"(?:\(\d+\)|\[\d+\]|\\(?:overline|bar)\s*(?:\{{\d+\}}|\d)|{_DOT}(?:\d*{_DOT})?)"
+)
 _NOTATION_NUMBER = (
     rf"-?(?:\d+(?:\.\d*)?|\.\d+){_SCI_TAIL}"
+    rf"|-?\d*\.\d+{re.sub(r'[?]P<rep2?>', '?:', _REPEAT_PHRASE)}"
     rf"|-?\d*\.\d+(?:\s*{_ELLIPSIS}|\s+{_REPEAT_WORD})"
     rf"|-?(?:\d+\.\d*|\.\d*){_MARKED_REPETEND}"
+    # a bare power, read whole: "10^{-3}" (also "10⁻³" once spelled out), "2^10"
+    r"|-?\d+(?:\.\d+)?\^(?:\{\s*-?\d+\s*\}|-?\d+)"
 )
+# Not inside a word or after a closing bracket, and not an exponent or subscript ("cm^{3}", "x^2",
+# "a_{1}"): those are never the answer alone.
+_NOT_AFTER = r"(?<![\w)\]}.^])(?<!\^\{)(?<!_\{)(?<!\^\()"
 _NUMBER_RE = re.compile(
-    rf"(?<![\w)\]}}.])(?:{_NOTATION_NUMBER})"
-    r"|(?<![\w)\]}.])-?\d+(?:,\d{3})*(?:\.\d+)?(?:/\d+)?|(?<![\w)\]}.])-?\.\d+"
+    rf"{_NOT_AFTER}(?:{_NOTATION_NUMBER})"
+    rf"|{_NOT_AFTER}-?\d+(?:,\d{{3}})*(?:\.\d+)?(?:/\d+)?|{_NOT_AFTER}-?\.\d+",
+    re.IGNORECASE,
 )
 
+# Unicode spellings of plain-text math: the minus sign (and an en dash or figure dash written as
+# one: "\u20135"), superscript exponents ("10\u2075", "x\u00b2") and digits under a combining
+# overline or macron ("0.3\u0305", "0.1\u03056\u0305").
+_SUPERSCRIPTS = str.maketrans(
+    "\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207b\u207a", "0123456789-+"
+)
+_SUPERSCRIPT_RE = re.compile("[\u2070\u00b9\u00b2\u00b3\u2074-\u2079\u207b\u207a]+")
+_COMBINING_BAR_RE = re.compile("(?:[0-9][\u0305\u0304])+")
+_DASH_MINUS_RE = re.compile(r"(?<![\w.)\]}])[\u2012\u2013](?=[\d.])")
 
-def _balanced_group(text: str, open_idx: int) -> str | None:
-    """Content of the ``{...}`` group opening at ``text[open_idx] == "{"``; None if unclosed.
+
+def plain_math_text(text: str) -> str:
+    """``text`` with Unicode math spelled in ASCII/LaTeX: ``\u2212`` -> ``-``, ``10\u207b\u00b3`` ->
+    ``10^{-3}``, ``0.1\u0305 6\u0305`` (combining overlines) -> ``0.\\overline{16}``; an en dash
+    right before a number and not after one (``\u20135``, not the range ``2\u20135``) -> ``-``.
+    Idempotent; linear time."""
+    text = _DASH_MINUS_RE.sub("-", text.replace("\u2212", "-"))
+    text = _SUPERSCRIPT_RE.sub(lambda m: "^{" + m.group(0).translate(_SUPERSCRIPTS) + "}", text)
+    return _COMBINING_BAR_RE.sub(lambda m: "\\overline{" + m.group(0)[::2] + "}", text)
+
+
+def _brace_pairs(text: str) -> dict[int, int]:
+    """Index of each ``{`` -> index of its matching ``}`` (unclosed ones absent), in one pass.
 
     Escaped braces (``\\{``, ``\\}``) are skipped so ``\\boxed{\\{1,2\\}}`` reads ``\\{1,2\\}``.
     """
-    depth, i = 0, open_idx
-    while i < len(text):
-        ch = text[i]
-        if ch == "\\":
-            i += 2
-            continue
-        if ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return text[open_idx + 1 : i]
-        i += 1
-    return None
+    stack: list[int] = []
+    pairs: dict[int, int] = {}
+    for m in re.finditer(r"\\.|[{}]", text, re.DOTALL):
+        if m.group(0) == "{":
+            stack.append(m.start())
+        elif m.group(0) == "}" and stack:
+            pairs[stack.pop()] = m.start()
+    return pairs
 
 
 def last_boxed(text: str) -> str | None:
     """Content of the last well-formed ``\\boxed``/``\\fbox`` in ``text`` (stripped), or None.
 
     A box left unclosed (e.g. a truncated response) is skipped in favour of an earlier one.
+    Linear in ``text`` (braces are matched once for all boxes).
     """
+    pairs: dict[int, int] | None = None
     for match in reversed(list(_BOX_RE.finditer(text))):
         i = match.end()
         while i < len(text) and text[i] in " \t":
             i += 1
         if i < len(text) and text[i] == "{":
-            content = _balanced_group(text, i)
+            pairs = _brace_pairs(text) if pairs is None else pairs
+            content = text[i + 1 : pairs[i]] if i in pairs else None
         else:  # "\boxed 5": the next whitespace-delimited token
-            token = re.match(r"[^\s$]+", text[i:])
+            token = re.compile(r"[^\s$]+").match(text, i)
             content = token.group(0).rstrip(".,;") if token else None
         if content is not None and content.strip():
             return content.strip()
     return None
 
 
+# How many "answer is" markers are tried, last first, when the later ones state nothing
+# ("the answer is not 5", "the answer is as follows:").
+_MAX_MARKERS = 4
+
+
 def _answer_is(text: str) -> str | None:
-    """Text after the last "the answer is"/"final answer is", up to the end of the sentence."""
-    matches = list(_ANSWER_IS_RE.finditer(text))
-    if not matches:
+    """The answer stated after the last "answer is" / "answer:" marker (:func:`stated_answer`);
+    a marker that states nothing (negated, or an empty sentence) defers to the one before."""
+    markers = list(_ANSWER_IS_RE.finditer(text))
+    for match in reversed(markers[-_MAX_MARKERS:]):
+        candidate = stated_answer(text, match.end())
+        if candidate is not None:
+            return candidate
+    return None
+
+
+def stated_answer(text: str, start: int = 0) -> str | None:
+    """The answer stated in ``text[start:]`` (the text after an "answer is" marker).
+
+    Up to the end of the sentence (:data:`_SENTENCE_END_RE`), after a conclusion word
+    ("therefore 12", "just 12"), cut before a justification (:func:`_drop_justification`:
+    "12 because 3 * 4 = 12" -> "12") and after a leading number or ``$...$`` followed by prose
+    (:func:`_cut_after_number`: "12: four groups of 3" -> "12"), without ``$``, ``**`` or
+    ``\\( \\)`` around it. None if nothing is stated, the statement is negated ("not 5") or a
+    verdict ("correct"), only a delimiter ("\\["), or prose of four or more words without a
+    digit or mathematics ("Let's think step by step").
+    """
+    while start < len(text) and text[start] in " \t*_":
+        start += 1
+    end = len(text)
+    for m in _SENTENCE_END_RE.finditer(text, start):
+        if m.group("end") is not None:
+            end = m.start()
+            break
+    candidate = text[start:end].strip().strip("*_").strip()
+    adverb = _LEADING_ADVERB_RE.match(candidate)
+    if adverb:
+        candidate = candidate[adverb.end() :].strip().strip("*_").strip()
+    if _NEGATED_RE.match(candidate):
         return None
-    rest = text[matches[-1].end() :]
-    masked = _DECIMAL_ELLIPSIS_RE.sub(lambda m: m.group(1) + "\0\0\0", rest)
-    end = _SENTENCE_END_RE.search(masked)
-    candidate = _drop_justification(rest[: end.start()] if end else rest)
+    candidate = _cut_after_number(_computed_result(_drop_justification(candidate)))
+    if not _MATH_CHAR_RE.search(candidate) and len(candidate.split()) > 3:
+        return None
+    if _VERDICT_RE.fullmatch(candidate) or _DELIMITERS_RE.fullmatch(candidate):
+        return None
     candidate = candidate.strip().strip("*").strip().strip("$").strip()
+    for left, right in (("\\(", "\\)"), ("\\[", "\\]")):  # "\( 12 \)"
+        if candidate.startswith(left) and candidate.endswith(right) and len(candidate) >= 4:
+            candidate = candidate[2:-2].strip()
     if not re.search(rf"\d\.\d+\s*{_ELLIPSIS}$", candidate):
         candidate = candidate.rstrip(".").strip()
     return candidate or None
@@ -160,14 +316,158 @@ def _drop_justification(candidate: str) -> str:
     return candidate[: match.start()]
 
 
-def last_number(text: str) -> str | None:
-    """The last number in ``text``, thousands separators removed.
+def _computed_result(candidate: str) -> str:
+    """A stated computation that opens with a number is its result: ``"3 * 4 = 12 apples"`` ->
+    ``"12 apples"``, ``"15 gallons * 8 pints / gallon = 120 pints"`` -> ``"120 pints"``.
 
-    Int, decimal or ``a/b``, and the plain-text notations of :func:`notation_value`
-    (``1.5 x 10^3``, ``2.5e-4``, ``0.(3)``, ``0.333...``) taken whole.
+    Only when the left of the first ``=`` holds an operator (``* / + ×``, `` - ``, `` x ``,
+    ``times``, ``\\times``, ``\\cdot``) and the ``=`` is outside brackets, and a number follows
+    the last ``=`` (``"$16 \\cdot (-8) = {-128}$"`` -> ``"-128"``):
+    ``"12 = 3 * 4"``, ``"12 (= 3 * 4)"``, ``"x = 7"`` and ``"\\frac{a}{b} = 2"`` are unchanged.
     """
-    numbers = [m.group(0) for m in _NUMBER_RE.finditer(text)]
-    return numbers[-1].replace(",", "") if numbers else None
+    s = candidate.strip()
+    if s.startswith("$") and s.endswith("$"):
+        s = s.strip("$").strip()
+    first_eq = s.find("=")
+    if first_eq <= 0 or _NUMBER_RE.match(s) is None:
+        return candidate
+    lhs = s[:first_eq]
+    depth = 0
+    for ch in lhs:
+        depth += (ch in "([{") - (ch in ")]}")
+    if depth != 0 or not _OPERATOR_RE.search(lhs):
+        return candidate  # "12 (= 3 * 4)": the "=" is inside brackets
+    rhs = s[s.rfind("=") + 1 :].strip()
+    if rhs.startswith("{") and rhs.endswith("}") and "{" not in rhs[1:-1]:
+        rhs = rhs[1:-1].strip()  # "= {-128}"
+    return rhs if _NUMBER_RE.match(rhs) else candidate
+
+
+_OPERATOR_RE = re.compile(
+    r"[*/+\u00d7\u00b7\u22c5]|\s[-x\u2013]\s|[\d)}]-[\d(]|\btimes\b|\\(?:times|cdot|div)\b"
+)
+
+
+def _prose_word(text: str) -> bool:
+    """Whether ``text`` holds a word of prose: two or more letters, not a LaTeX command, not
+    mathematics (``and``, ``pi``, ``times``, ``log``...) and not a repeating-decimal word."""
+    for word in re.findall(r"(?<![\\A-Za-z])[A-Za-z]{2,}(?![A-Za-z])", text):
+        if word.lower() not in _NOT_UNITS and not re.fullmatch(_REPEAT_VERB, word, re.IGNORECASE):
+            return True
+    return False
+
+
+_MATH_SEGMENT_RE = re.compile(r"\$([^$]+)\$|\\\((.+?)\\\)")
+
+
+def _cut_after_number(candidate: str) -> str:
+    """A stated answer that opens with a number (or a ``$...$`` / ``\\(...\\)`` segment), then
+    prose, is that number.
+
+    ``"12: 4 groups of 3"``, ``"12 (4 groups of 3)"``, ``"12, i.e. 4 times 3"``, ``"12 -- 3*4"``,
+    ``"12 - from 4 groups"``, ``"$12$: four threes"``, ``"**12** apples"`` -> ``"12"``. The number
+    is read whole in every notation (``"1.5 x 10^3 (m)"`` -> ``"1.5 x 10^3"``; ``"0.1666 (6
+    repeating)"`` is one number). Mathematics after the number is kept: ``"2 and 3"``,
+    ``"3 pi"``, ``"4 log 2"``, ``"2^{10}"``, ``"5 x"``, ``"5 - 3"``, ``"$2$ and $3$"``.
+    """
+    m = _NUMBER_RE.match(candidate)
+    if m is not None:
+        head = m.group(0)
+    else:
+        m = _MATH_SEGMENT_RE.match(candidate)
+        if m is None:
+            return candidate
+        head = (m.group(1) if m.group(1) is not None else m.group(2)).strip()
+    rest = candidate[m.end() :].lstrip("*_")
+    if not rest.strip(" ."):
+        return head
+    word = re.match(r",?\s+([A-Za-z]+)(?![\w{(])", rest)  # "12 for ...", "12 cm^{3}"
+    cut = (
+        re.match(r"\s*(?:\u2014|--)", rest)
+        or (re.match(r"\s+[-\u2013]\s", rest) and _prose_word(rest))
+        or re.match(r",?\s*(?:i\.e\.|e\.g\.|that is\b)", rest, re.IGNORECASE)
+        or (re.match(r"\s*(?::\s|\()", rest) and (_prose_word(rest) or "=" in rest))
+        or (word is not None and _prose_word(word.group(1)))
+    )
+    return head if cut else candidate
+
+
+def last_number(text: str) -> str | None:
+    """The last number in ``text``, thousands separators removed; but when the sentence holding
+    it states a number and then justifies it, the stated number.
+
+    Numbers: int, decimal or ``a/b``, the plain-text notations of :func:`notation_value`
+    (``1.5 x 10^3``, ``2.5e-4``, ``0.(3)``, ``0.333...``) and bare powers (``10^{-3}``) taken
+    whole; an exponent alone (the 3 of ``cm^{3}``, the 2 of ``x^2``) is not a number.
+    Justification (see :func:`stated_number`): ``"x = 7, since 2x = 14"`` -> ``"7"``.
+    """
+    numbers = list(_NUMBER_RE.finditer(text))
+    if not numbers:
+        return None
+    return stated_number(text, numbers).group(0).replace(",", "")
+
+
+def stated_number(text: str, numbers: list[re.Match], _depth: int = 0) -> re.Match:
+    """The number a response ends on: the last one, unless its sentence (or clause after a
+    colon) reads "N <justification> ...", where the justification is ``because``, ``since``,
+    ``due to``, ``given that`` or ``, as``: then the last number before that word.
+
+    A justification word is skipped (it opens a fronted clause, or the sentence goes on) when:
+      * no number precedes it in the sentence (``"Since 3 were eaten, 7 remain"``);
+      * it follows ``and``/``but``/``so``/``then``/... (``"10 apples, and since 3 were eaten,
+        7 remain"``), or a semicolon with a comma later (``"10 apples; since 3 were eaten, 7
+        remain"``; but ``"x = 7; since 2x = 14"`` justifies 7);
+      * the number before it is not right before it and a main clause follows the justification
+        after a comma (``"After 2 hours, since the speed is 30, the distance is 60"``; but
+        ``"The sum is 9, since a = 2, b = 3, and c = 4"`` justifies 9);
+      * a conclusion follows it in the sentence (``so``, ``thus``, ``giving``, ``which
+        gives``...: ``"3 boxes because each holds 4, so the total is 12"`` ends on 12).
+    When the justification ends on ``= R`` and the sentence also stated R before the word,
+    R is the answer (``"He can spend 55 more minutes before his average goes above 60
+    because 300 - 245 = 55"`` -> 55, not 60).
+    ``so``, ``hence``, ``which`` and bare ``as`` are not justifications here (``"3 * 4 = 12, so
+    12"``, ``"twice as many as 6"``). A last sentence that is only a justification (``"We get
+    12. This is because 4 groups of 3."``) defers to the number the sentence before ends on.
+    """
+    last = numbers[-1]
+    start = 0
+    for boundary in _CLAUSE_START_RE.finditer(text, 0, last.start()):
+        if boundary.group("end") is not None:
+            start = boundary.end()
+    conclusions = [m.start() for m in _CONCLUSION_RE.finditer(text, start, last.start())]
+    last_conclusion = conclusions[-1] if conclusions else -1
+    main_clauses = [m.start() for m in _MAIN_CLAUSE_RE.finditer(text, start, last.start())]
+    last_main_clause = main_clauses[-1] if main_clauses else -1
+    last_comma = text.rfind(",", start, last.start())
+    ends = [m.end() for m in numbers]
+    first = bisect.bisect_left([m.start() for m in numbers], start)
+    sentence = _JUSTIFICATION_SENTENCE_RE.match(text, start)
+    if sentence and _depth == 0 and first > 0 and last_conclusion < 0 and last_main_clause < sentence.end():
+        return stated_number(text, numbers[:first], _depth + 1)  # "12. This is because 4 x 3."
+    for word in _BACKWARD_RE.finditer(text, start, last.start()):
+        before = bisect.bisect_right(ends, word.start())  # numbers ending before the word
+        if before <= first:
+            continue  # no number stated before it in this sentence
+        fronted = _FRONTED_RE.search(text, max(start, word.start() - 40), word.start())
+        if fronted and (fronted.group("semi") is None or last_comma > word.end()):
+            continue
+        gap = word.start() - numbers[before - 1].end()
+        direct = gap <= 12 and _DIRECT_GAP_RE.fullmatch(text, numbers[before - 1].end(), word.start())
+        if not direct and last_main_clause > word.end():
+            continue  # "After 2 hours, since ..., the distance is 60"
+        if last_conclusion > word.start():
+            continue  # the sentence concludes after the justification
+        if _RESULT_GAP_RE.search(text, word.end(), last.start()) and _value_key(last) in {
+            _value_key(n) for n in numbers[first:before]
+        }:
+            return last  # "55 minutes before 60 because 300 - 245 = 55": the result restated
+        return numbers[before - 1]
+    return last
+
+
+def _value_key(number: re.Match) -> str:
+    """A number match compared by its digits: ``"1,320"`` and ``"1320"`` agree."""
+    return number.group(0).replace(",", "")
 
 
 def extract_answer(text: str, *, last_number_fallback: bool = True) -> tuple[str | None, str]:
@@ -175,8 +475,10 @@ def extract_answer(text: str, *, last_number_fallback: bool = True) -> tuple[str
 
     Returns:
       ``(answer, source)``: ``source`` is ``"boxed"``, ``"answer_is"``, ``"last_number"`` or
-      ``"none"`` (then ``answer`` is None).
+      ``"none"`` (then ``answer`` is None). Unicode math is first spelled out
+      (:func:`plain_math_text`).
     """
+    text = plain_math_text(text)
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed, "boxed"
@@ -213,8 +515,13 @@ _NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)"
 _TEXT_CMD_RE = re.compile(r"\\(?:text|textbf|mbox|mathrm)\s*\{([^{}]*)\}")
 
 
-# Words after a number that are mathematics, not units: "3 pi", "2 and 3", "4 times 5".
-_NOT_UNITS = frozenset("and or to plus minus times over divided by pi sqrt mod of".split())
+# Words after a number that are mathematics, not units: "3 pi", "2 and 3", "4 times 5",
+# "2 cubed", "4 log 2". A magnitude is a unit: "$4 million" is 4 (GSM8K's gold answers count in
+# the question's unit).
+_NOT_UNITS = frozenset(
+    "and or to plus minus times over divided by pi sqrt mod of squared cubed factorial choose"
+    " log ln exp sin cos tan sec csc cot root".split()
+)
 
 
 def strip_units(answer: str) -> str:
@@ -225,7 +532,10 @@ def strip_units(answer: str) -> str:
     ``"3 pi"`` and ``"2 and 3"`` are kept); anything else is returned unchanged (stripped).
     """
     s = answer.strip()
-    m = re.fullmatch(rf"\\?\$?\s*({_NUM}(?:,\d{{3}})*)\s+((?:[A-Za-z]{{2,}}\.?\s*)+)", s)
+    # one split of the words only (a separator between two words is required), so a long
+    # run of letters cannot make the match exponential
+    words = r"[A-Za-z]{2,}(?:(?:\.\s*|\s+)[A-Za-z]{2,})*\.?"
+    m = re.fullmatch(rf"\\?\$?\s*({_NUM}(?:,\d{{3}})*)\s+({words})\s*", s)
     if not m or any(w.strip(".").lower() in _NOT_UNITS for w in m.group(2).split()):
         return s
     return m.group(1)
@@ -242,7 +552,7 @@ def normalize_answer(answer: str) -> str:
     s = re.sub(r"\\(?:left|right)(?![A-Za-z])", "", s)
     s = re.sub(r"\\[!,;:]|\\ |~", "", s)
     s = re.sub(r"\\[dt]frac", r"\\frac", s)
-    s = re.sub(r"\^\s*\{?\s*\\circ\s*\}?|°|\\degree", "", s)
+    s = re.sub(r"\^\s*(?:\{\s*)?\\circ\s*\}?|°|\\degree", "", s)
     s = s.replace("\\$", "").replace("$", "")
     # "5\text{ cm}" -> "5"; a lone "\text{(C)}" -> "(C)".
     s = re.sub(rf"^({_NUM})\s*{_TEXT_CMD_RE.pattern}\s*$", r"\1", s)
@@ -298,19 +608,27 @@ def _fraction_value(s: str) -> fractions.Fraction | None:
     return whole - value if whole < 0 or whole_str.startswith("-") else whole + value
 
 
+# The exponent of 10^{n} / 10^(n) / 10^n in groups e2 / e3 / e4.
+_POW10_NAMED = _pow10(r"(?P<e>[-+]?\d+)")
+for _group in ("e2", "e3", "e4"):
+    _POW10_NAMED = _POW10_NAMED.replace("(?P<e>", f"(?P<{_group}>", 1)
 _SCI_RE = re.compile(
     rf"(?P<mant>[-+]?(?:\d+(?:\.\d*)?|\.\d+))"
     rf"(?:[eE](?P<e1>[-+]?\d+)"
-    rf"|\s*{_TIMES}\s*10\s*\^\s*(?:\{{\s*(?P<e2>[-+]?\d+)\s*\}}|(?P<e3>[-+]?\d+)))"
+    rf"|\s*{_TIMES}\s*{_POW10_NAMED})",
+    re.IGNORECASE,
 )
 _DEC_HEAD = r"(?P<sign>[-+]?)(?P<int>\d*)\.(?P<frac>\d*)"
-_PAREN_RE = re.compile(rf"{_DEC_HEAD}\((?P<rep>\d+)\)")
+_PAREN_RE = re.compile(rf"{_DEC_HEAD}(?:\((?P<rep>\d+)\)|\[(?P<rep1>\d+)\])")
 _OVERLINE_RE = re.compile(rf"{_DEC_HEAD}\\(?:overline|bar)\s*(?:\{{(?P<rep>\d+)\}}|(?P<rep1>\d))")
 _DOTS_RE = re.compile(
     rf"{_DEC_HEAD}\\dot\s*\{{?(?P<first>\d)\}}?(?:(?P<mid>\d*)\\dot\s*\{{?(?P<last>\d)\}}?)?"
 )
 _ELLIPSIS_RE = re.compile(rf"{_DEC_HEAD}\s*{_ELLIPSIS}")
 _REPEAT_WORD_RE = re.compile(rf"{_DEC_HEAD}\s+{_REPEAT_WORD}", re.IGNORECASE)
+_REPEAT_PHRASE_RE = re.compile(rf"{_DEC_HEAD}{_REPEAT_PHRASE}", re.IGNORECASE)
+# A unit word after a notation: "meters", "km.", "m/s" (a single letter alone is a variable).
+_UNIT_WORD_RE = re.compile(r"[A-Za-z]{2,}\.?|[A-Za-z]+(?:/[A-Za-z]+)+\.?")
 
 
 def _notation_text(answer: str) -> str:
@@ -324,11 +642,12 @@ def _notation_text(answer: str) -> str:
 
 
 def _scientific_value(s: str) -> fractions.Fraction | None:
-    """``1.5e3``, ``2.5E-4``, ``1.5 x 10^3``, ``1.5 \\times 10^{3}``, ``3*10^8`` exactly."""
+    """``1.5e3``, ``2.5E-4``, ``1.5 x 10^3``, ``1.5 \\times 10^{3}``, ``3*10^8``, ``3 * 10**8``,
+    ``3 x 10^(8)`` exactly."""
     m = _SCI_RE.fullmatch(s)
     if not m:
         return None
-    exponent = m.group("e1") or m.group("e2") or m.group("e3")
+    exponent = m.group("e1") or m.group("e2") or m.group("e3") or m.group("e4")
     if not _exponent_ok(exponent) or len(m.group("mant")) > MAX_NOTATION_DIGITS:
         return None
     return fractions.Fraction(m.group("mant")) * fractions.Fraction(10) ** int(exponent)
@@ -376,30 +695,65 @@ def _repeating_value(s: str) -> fractions.Fraction | None:
     if m and m["frac"]:
         pre, rep = repeated_tail(m["frac"]) or ("", m["frac"])
         return _repeating(m["sign"], m["int"], pre, rep)
+    m = _REPEAT_PHRASE_RE.fullmatch(s)
+    if m:  # "0.16 with the 6 repeating": the named block ends the decimals, or follows them
+        rep, frac = m["rep"] or m["rep2"], m["frac"]
+        pre = frac[: len(frac) - len(rep)] if frac.endswith(rep) else frac
+        return _repeating(m["sign"], m["int"], pre, rep)
     return None
 
 
 def notation_value(answer: str) -> fractions.Fraction | None:
     """Exact value of a number in scientific or repeating-decimal notation, else None.
 
+    Unicode is spelled out first (:func:`plain_math_text`: ``−``, ``10⁵``, ``0.3̅``).
     Scientific: a decimal mantissa then ``e``/``E`` and an integer exponent, or then ``x``,
-    ``X``, ``×``, ``*``, ``·``, ``\\times`` or ``\\cdot`` and ``10^n`` / ``10^{n}`` (the whole answer
-    must be that number, so ``5x`` or ``2e`` stay expressions); ``|n| > MAX_EXPONENT`` -> None.
-    Repeating: the repetend marked by parentheses after the decimal point (``0.(3)``,
-    ``1.2(3)``; ``2(3)`` without a point stays a product), ``\\overline``/``\\bar``, or ``\\dot``
-    over one digit or over the first and last digits of the block (``0.\\dot{1}4285\\dot{7}``).
+    ``X``, ``×``, ``*``, ``·``, ``\\times`` or ``\\cdot`` and ``10^n`` / ``10^{n}`` / ``10^(n)`` /
+    ``10**n`` (the whole answer must be that number, so ``5x`` or ``2e`` stay expressions);
+    ``|n| > MAX_EXPONENT`` -> None. A magnitude word is a unit like any other (``4 million`` is 4,
+    as in GSM8K, whose gold answers count in the question's unit).
+    Repeating: the repetend marked by parentheses or brackets after the decimal point
+    (``0.(3)``, ``1.2(3)``, ``0.[3]``; ``2(3)`` without a point stays a product),
+    ``\\overline``/``\\bar``, or ``\\dot`` over one digit or over the first and last digits of
+    the block (``0.\\dot{1}4285\\dot{7}``).
     An ellipsis (``...``, ``…``, ``\\ldots``, ``\\dots``, ``\\cdots``) counts only when the digits
     before it end in a block written at least twice (:func:`repeated_tail`): ``0.33...`` and
     ``0.1666...`` repeat, ``0.3...`` and ``3.14159...`` do not (None). The word ``repeating`` /
     ``recurring`` uses that block if there is one, else all the decimals repeat
-    (``0.3 repeating`` = 1/3, ``0.16 repeating`` = 16/99). Plain decimals (``0.33``,
-    ``0.3333``) are not notations: they keep their finite value.
+    (``0.3 repeating`` = 1/3, ``0.16 repeating`` = 16/99). A named block (``0.1 with 6
+    repeating``, ``0.16 with the 6 repeating``, ``0.1666 (6 repeating)``) is the repetend: the
+    decimals end with one copy of it or are followed by it (all three are 1/6).
+    Plain decimals (``0.33``, ``0.3333``) are not notations: they keep their finite value.
+    Unit words after the number are dropped (``1.2e5 meters``, ``3 x 10^8 m/s``; a single letter
+    is a variable, as in :func:`strip_units`).
     """
-    s = _notation_text(answer)
+    s = _notation_text(plain_math_text(answer))
     if len(s) > 4 * MAX_NOTATION_DIGITS:
         return None
+    value = _notation_value(s)
+    if value is None:  # "1.2e5 meters", "3 x 10^8 m/s", "0.3 repeating cm": unit words after it
+        words = s.split()
+        k = len(words)
+        while k > 1 and _unit_word(words[k - 1]):
+            k -= 1
+        if k < len(words):
+            value = _notation_value(" ".join(words[:k]))
+    return value
+
+
+def _notation_value(s: str) -> fractions.Fraction | None:
     value = _scientific_value(s)
     return value if value is not None else _repeating_value(s)
+
+
+def _unit_word(word: str) -> bool:
+    """Whether ``word`` is a unit: two or more letters (or letters over letters, ``m/s``), not
+    mathematical and not a repeating-decimal word (the rule of :func:`strip_units`)."""
+    return (
+        _UNIT_WORD_RE.fullmatch(word) is not None
+        and not any(w.lower() in _NOT_UNITS for w in re.split(r"[/.]", word) if w)
+        and not re.fullmatch(rf"{_REPEAT_VERB}\.?", word, re.IGNORECASE)
+    )
 
 
 def fraction_latex(value: fractions.Fraction) -> str:
@@ -665,6 +1019,14 @@ def default_worker() -> VerifyWorker:
 # ----------------------------------------------------------------------------------------------
 
 
+def _integer_key(digits: str) -> str:
+    """Canonical form of an integer string, compared as text (``int()`` refuses 4300+ digits):
+    ``"007"`` -> ``"7"``, ``"-0"`` -> ``"0"``."""
+    sign, magnitude = ("-", digits[1:]) if digits.startswith("-") else ("", digits)
+    magnitude = magnitude.lstrip("0") or "0"
+    return magnitude if magnitude == "0" else sign + magnitude
+
+
 def answers_equivalent(
     pred: str,
     gold: str,
@@ -678,12 +1040,13 @@ def answers_equivalent(
       ``(equal, info)`` with ``info["method"]`` and, when math-verify failed,
       ``info["verify_error"]`` (``"timeout"``, ``"unparsed"`` or the exception text).
     """
+    pred, gold = plain_math_text(pred), plain_math_text(gold)
     pred, gold = rewrite_notation(pred), rewrite_notation(gold)
     norm_pred, norm_gold = normalize_answer(pred), normalize_answer(gold)
     if norm_pred == norm_gold:
         return True, {"method": "exact"}
     if re.fullmatch(r"-?\d+", norm_pred) and re.fullmatch(r"-?\d+", norm_gold):
-        return int(norm_pred) == int(norm_gold), {"method": "integer"}
+        return _integer_key(norm_pred) == _integer_key(norm_gold), {"method": "integer"}
     worker = worker if worker is not None else default_worker()
     try:
         equal = worker.check(gold, strip_units(pred), timeout_s)
