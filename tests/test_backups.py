@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from marft_jax.rl import backups, backups_reference, layout, native, rewards
+from marft_jax.bench import reference_backups as backups_reference
+from marft_jax.rl import backups, layout, native, rewards
 
 IMPLS = ("scan", "associative", "blocked", "native")
 HYP = settings(max_examples=15, deadline=None, derandomize=True,

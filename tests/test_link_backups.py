@@ -11,7 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marft_jax.rl import backups, backups_reference, native, rewards
+from marft_jax.bench import reference_backups as backups_reference
+from marft_jax.rl import backups, native, rewards
 from marft_jax.rl import topology as topo
 
 IMPLS = ("scan", "associative", "blocked", "native")

@@ -1,5 +1,5 @@
 """Token-level backup throughput: jitted MARFT-T GAE vs two Python-loop baselines, same inputs,
-same run: the NumPy transcription of the reference recurrence (``marft_jax.rl.backups_reference``,
+same run: the NumPy transcription of the reference recurrence (``marft_jax.bench.reference_backups``,
 the test oracle) and the reference implementation's own buffer loop re-expressed
 (``marft_jax.bench.g1_token_gae``: threads x steps x agents x tokens on float32 buffers).
 
@@ -30,7 +30,8 @@ import numpy as np
 
 from marft_jax.bench import g1_token_gae
 from marft_jax.bench.machine import cpu_info
-from marft_jax.rl import backups, backups_reference, layout, native, rewards
+from marft_jax.bench import reference_backups as backups_reference
+from marft_jax.rl import backups, layout, native, rewards
 
 
 IMPL_ROWS = ("native", "blocked", "scan", "associative")   # --all-impls, besides ours
@@ -125,7 +126,7 @@ def main(argv: list[str] | None = None) -> dict:
         base_adv, _ = backups_reference.token_level_gae_reference(*args_np, gamma=a.gamma, lam=a.lam)
         base_times.append(time.perf_counter() - t0)
     base = {"name": "NumPy/Python loop transcription of the reference "
-                    "(marft_jax.rl.backups_reference.token_level_gae_reference)",
+                    "(marft_jax.bench.reference_backups.token_level_gae_reference)",
             "s_per_call": statistics.median(base_times), "s_per_call_best": min(base_times),
             "repeats": a.baseline_repeats}
     g1 = None

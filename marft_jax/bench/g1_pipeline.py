@@ -17,7 +17,7 @@ implementation (``marft/mas/mas.py``, ``marft/buffers/action_level_buffer.py``,
   ``rho``/``pi`` pair, both no-grad here), ``get_slice`` into ``[B, 1, K, V]``, full-vocabulary
   ``log_softmax`` and per-row gather / ``Categorical`` entropy loops; the bootstrap value of
   truncated rows by one more critic forward; then G1's buffer loop for the backup
-  (:func:`marft_jax.rl.backups_reference.action_level_gae_reference` with ``g1_masks``);
+  (:func:`marft_jax.bench.reference_backups.action_level_gae_reference` with ``g1_masks``);
 * **update**: :class:`marft_jax.bench.update.G1Baseline`'s step (critic first, then every
   agent), on the played (step, row) pairs flattened into rows, contexts padded to the longest,
   actions to the token budget K, as G1's minibatch.
@@ -42,7 +42,7 @@ import numpy as np
 from marft_jax.bench.update import G1Baseline, _body_flops, _head_flops, baseline_flops
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.lora import LoraStack
-from marft_jax.rl.backups_reference import action_level_gae_reference
+from marft_jax.bench.reference_backups import action_level_gae_reference
 from marft_jax.rl.rollout import Generation
 from marft_jax.rl.trajectory import Trajectory
 from marft_jax.rl.update import UpdateBatch, UpdateConfig

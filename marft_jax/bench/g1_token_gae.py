@@ -8,7 +8,7 @@ buffers per token. This module re-expresses that loop nest (same buffers, same p
 reads and writes) so that ``marft-jax bench backups`` can time the computation the way the
 reference actually runs it.
 
-:func:`marft_jax.rl.backups_reference.token_level_gae_reference` is the other baseline: a
+:func:`marft_jax.bench.reference_backups.token_level_gae_reference` is the other baseline: a
 clean transcription of the recurrence itself (the test oracle), about twice as fast as the
 buffer loop because it works on float64 arrays without the buffer's extra leading axis.
 
