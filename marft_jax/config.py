@@ -30,6 +30,7 @@ class ModelSection:
     dtype: str = "auto"                 # auto (float32 on CPU, bfloat16 on GPU/TPU) | float32 | bfloat16
     remat: Optional[str] = None         # none | full | dots | dots_no_batch (true/false = full/none); null = auto
     attention: str = "auto"             # auto | xla | cudnn | pallas | splash (marft_jax.models.attention)
+    decode_attention: str = "auto"      # auto | xla | native: attention over the KV cache (marft_jax.models.cache_attention)
 
 
 @dataclass
@@ -213,6 +214,7 @@ PACKAGED_PRESETS = Path(__file__).resolve().parent / "presets"
 _CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16"),
     "model.attention": ("auto", "xla", "cudnn", "pallas", "splash"),
+    "model.decode_attention": ("auto", "xla", "native"),
     "task.name": ("arithmetic", "math", "gsm8k", "math500", "aime", "humaneval", "code_jsonl", "generic"),
     "task.code_reward": ("fraction", "binary"),
     "rollout.mode": ("sequential", "parallel"),

@@ -28,6 +28,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -39,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marft_jax.bench.machine import torch_matmul_flops
-from marft_jax.models import decoder
+from marft_jax.models import cache_attention, decoder
 from marft_jax.models.config import ModelConfig
 from marft_jax.sampling.buckets import length_bucket
 from marft_jax.sampling.sampler import Sampler, SamplingConfig
@@ -251,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=2, help="timed runs per side (best is reported)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-hf", action="store_true", help="skip the PyTorch baseline")
+    p.add_argument("--decode-attention", default="auto", choices=["auto", "xla", "native"],
+                   help="our attention over the KV cache (model.decode_attention)")
     args = p.parse_args(argv)
 
     cores = os.cpu_count() or 1
@@ -259,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     load_start = os.getloadavg()[0]
     cfg, params = load(args.model)
+    cfg = dataclasses.replace(cfg, decode_attention=cache_attention.resolve(args.decode_attention, dtype=jnp.float32,
+                                                                           key="--decode-attention"))
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     roofline = matmul_roofline_flops()
     hf_model = None
@@ -272,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     flops_per_token = cfg.flops_per_token(int(context))
     report: dict[str, Any] = {
         "bench": "sampler", "model": args.model, "backend": jax.default_backend(),
-        "dtype": "float32", "cpu_cores": cores, "machine": platform.machine(),
+        "dtype": "float32", "decode_attention": cfg.decode_attention, "cpu_cores": cores, "machine": platform.machine(),
         "torch_threads": cores if hf_model is not None else None,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "new_tokens": args.new_tokens, "prompt_len_max": args.prompt_len, "repeats": args.repeats,

@@ -39,7 +39,9 @@ class ModelConfig:
       max_position_embeddings: longest context the checkpoint was trained for.
       bos_token_id / eos_token_ids: from the config (tokenizers may add more stop tokens).
       attention: the attention implementation of segment attention (training, critic and
-        prefill forwards; :mod:`marft_jax.models.attention`); decode always runs ``xla``.
+        prefill forwards; :mod:`marft_jax.models.attention`).
+      decode_attention: attention over the KV cache (decode and prefills into a filled cache):
+        ``xla`` or ``native`` (:mod:`marft_jax.models.cache_attention`, one CPU device, float32).
     """
 
     arch: str
@@ -59,6 +61,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     attention: str = "xla"   # resolved model.attention (marft_jax.models.attention), never "auto"
+    decode_attention: str = "xla"   # resolved model.decode_attention: xla | native (models.cache_attention)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -72,6 +75,8 @@ class ModelConfig:
             raise ValueError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads})")
+        if self.decode_attention not in ("xla", "native"):
+            raise ValueError(f"ModelConfig.decode_attention must be 'xla' or 'native' (resolved), got {self.decode_attention!r}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 

@@ -22,7 +22,7 @@ softmax and LoRA in float32.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import chex
 import flax.struct
@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marft_jax.models import attention as attention_lib
+from marft_jax.models import cache_attention
 from marft_jax.models import lora as lora_lib
 from marft_jax.models.config import ModelConfig
 
@@ -65,6 +66,17 @@ class KVCache:
         shape = (cfg.num_layers, batch, cfg.num_kv_heads, slots, cfg.head_dim)
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    valid=jnp.zeros((batch, slots), bool), index=jnp.zeros((), jnp.int32))
+
+
+class NativeCacheView(NamedTuple):
+    """What a block reads of the cache with ``decode_attention="native"``: the whole stacks
+    ``k``/``v`` ``[layer, B, kv_heads, slots, D]``, the ``layer`` index and ``ok`` ``[B, P]``
+    (readable slots among the first ``P``)."""
+
+    k: jax.Array
+    v: jax.Array
+    layer: jax.Array
+    ok: jax.Array
 
 
 @flax.struct.dataclass
@@ -176,6 +188,9 @@ def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, cache_in, 
     k = jnp.swapaxes(k, 1, 2)                                   # [B, kv_heads, T, D]
     v = jnp.swapaxes(v, 1, 2)
     kv_new, prefix = None, None
+    if isinstance(cache_in, NativeCacheView):
+        o = cache_attention.attend(q, k, v, mask_fn, cache_in.k, cache_in.v, cache_in.layer, cache_in.ok)
+        return _block_tail(cfg, x, o, p, la, lb, scale, per_row), (k, v)
     if cache_in is not None:
         k_pre, v_pre, mask_pre = cache_in
         kv_new = (k, v)
@@ -187,13 +202,17 @@ def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, cache_in, 
     else:
         # mask_fn is causal by construction (forward); with a prefix the blocked path is off
         o = attention_lib.xla_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_fn, prefix, causal=True)
-    o = o.reshape(b, t, cfg.q_size)
-    x = x + _proj(o, p, "o_proj", la, lb, scale, per_row)
+    return _block_tail(cfg, x, o, p, la, lb, scale, per_row), kv_new
+
+
+def _block_tail(cfg: ModelConfig, x, o, p, la, lb, scale, per_row):
+    """The block after attention: output projection, residual, MLP, residual."""
+    b, t, _ = x.shape
+    x = x + _proj(o.reshape(b, t, cfg.q_size), p, "o_proj", la, lb, scale, per_row)
     h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
     gate = _proj(h, p, "gate_proj", la, lb, scale, per_row)
     up = _proj(h, p, "up_proj", la, lb, scale, per_row)
-    x = x + _proj(jax.nn.silu(gate) * up, p, "down_proj", la, lb, scale, per_row)
-    return x, kv_new
+    return x + _proj(jax.nn.silu(gate) * up, p, "down_proj", la, lb, scale, per_row)
 
 
 def forward(
@@ -292,9 +311,13 @@ def forward(
         prefix_ok = cache.valid[:, :read] & (jnp.arange(read) < cache.index)[None]   # [B, P]
         prefix_mask = jnp.broadcast_to(prefix_ok[:, None, :], (b, t, read))
 
+    native = cfg.decode_attention == "native" and read > 0
+
     def cached_body(x, xs):
         p, la_l, lb_l, layer = xs
-        if read:
+        if native:   # the kernel reads this layer's slots in place (no per-layer slice copy)
+            cache_in = NativeCacheView(cache.k, cache.v, layer, prefix_ok)
+        elif read:
             zero = jnp.zeros((), jnp.int32)
             at = (layer, zero, zero, zero, zero)
             size = (1,) + cache.k.shape[1:3] + (read, cache.k.shape[4])

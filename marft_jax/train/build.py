@@ -16,6 +16,7 @@ from marft_jax.envs.chat import HFChatTokenizer
 from marft_jax.envs.scoring_pool import ScoringPool
 from marft_jax.envs.task import Task
 from marft_jax.models import attention as attention_lib
+from marft_jax.models import cache_attention
 from marft_jax.models import registry, sharding
 from marft_jax.models.lora import LoraConfig
 from marft_jax.rl import topology
@@ -139,8 +140,13 @@ def build_run(cfg: Config) -> Run:
         impl = attention_lib.resolve(cfg.model.attention, dtype=dtype)
     except attention_lib.AttentionUnavailable as e:
         raise ConfigError(str(e)) from None
+    try:
+        decode_impl = cache_attention.resolve(cfg.model.decode_attention, dtype=dtype)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     model = registry.load_model(cfg.model.name, dtype=dtype)
-    model = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, attention=impl))
+    model = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, attention=impl,
+                                                               decode_attention=decode_impl))
     placement = None
     if jax.device_count() > 1:
         mesh = distributed.build_mesh(cfg.mesh, model.cfg, rows=cfg.rollout.rows)

@@ -26,12 +26,6 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -40,14 +34,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marft_jax import native_build
+from marft_jax.native_build import BASE_FLAGS, NativeUnavailable, cache_dir, find_compiler  # noqa: F401
+
 SOURCE = Path(__file__).with_name("backups_kernel.cc")
-FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast", "-Wno-psabi")
+FLAGS = BASE_FLAGS
 TARGET, SYMBOL = "marft_backup", "MarftBackup"     # FFI target name, exported handler
 LINKED_TARGET, LINKED_SYMBOL = "marft_backup_linked", "MarftBackupLinked"   # link-table backups
-
-
-class NativeUnavailable(RuntimeError):
-    """The kernel could not be built or loaded; the message says why."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,87 +64,14 @@ _lock = threading.Lock()
 _status: Status | None = None
 
 
-def cache_dir() -> Path:
-    """Where built libraries live: ``$MARFT_JAX_CACHE`` or ``$XDG_CACHE_HOME/marft_jax``."""
-    env = os.environ.get("MARFT_JAX_CACHE")
-    if env:
-        return Path(env)
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "marft_jax"
-
-
-def find_compiler() -> str:
-    """Path of the C++ compiler: ``$CXX`` if set (must exist), else ``c++``/``g++``/``clang++``."""
-    cxx = os.environ.get("CXX")
-    if cxx:
-        found = shutil.which(cxx)
-        if not found:
-            raise NativeUnavailable(f"C++ compiler $CXX={cxx!r} not found")
-        return found
-    for name in ("c++", "g++", "clang++"):
-        found = shutil.which(name)
-        if found:
-            return found
-    raise NativeUnavailable("no C++ compiler found ($CXX unset; none of c++, g++, clang++ on PATH)")
-
-
-def _compiler_version(cxx: str) -> str:
-    try:
-        proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise NativeUnavailable(f"cannot run {cxx} --version: {e}") from None
-    if proc.returncode != 0:
-        raise NativeUnavailable(f"{cxx} --version failed: {proc.stderr.strip()[-500:]}")
-    return proc.stdout.strip()
-
-
 def library_path(cxx: str, directory: Path | None = None) -> Path:
-    """The cache file for this source, flags, jaxlib version, machine and compiler."""
-    import jaxlib
-
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(),
-                 platform.machine().encode(), cxx.encode(), _compiler_version(cxx).encode()):
-        key.update(part)
-        key.update(b"\0")
-    return (directory or cache_dir()) / f"backups_kernel-{key.hexdigest()[:20]}.so"
+    """The cache file of this kernel for ``cxx`` (see :func:`marft_jax.native_build.library_path`)."""
+    return native_build.library_path(SOURCE, FLAGS, cxx, directory)
 
 
 def build(directory: Path | None = None) -> tuple[Path, bool, float | None]:
-    """Builds the library unless cached.
-
-    Returns:
-      ``(path, compiled, compile_s)``: ``compiled`` is False on a cache hit (then
-      ``compile_s`` is None).
-
-    Raises:
-      NativeUnavailable: no compiler, an unwritable cache directory or a failed compile (the
-        message ends with the compiler's stderr tail).
-    """
-    cxx = find_compiler()
-    path = library_path(cxx, directory)
-    if path.exists():
-        return path, False, None
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
-        os.close(fd)
-    except OSError as e:
-        raise NativeUnavailable(f"cache directory {path.parent} not writable: {e}") from None
-    cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
-    t0 = time.perf_counter()
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        if proc.returncode != 0:
-            raise NativeUnavailable(f"{' '.join(cmd)} failed (exit {proc.returncode}): "
-                                    f"{proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, path)
-    except (OSError, subprocess.SubprocessError) as e:
-        raise NativeUnavailable(f"{' '.join(cmd)} failed: {e}") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path, True, time.perf_counter() - t0
+    """Builds the library unless cached (:func:`marft_jax.native_build.build`)."""
+    return native_build.build(SOURCE, FLAGS, directory)
 
 
 def _load_and_register() -> Status:

@@ -1,0 +1,143 @@
+"""Decode attention that reads the stacked KV cache in place: a native CPU kernel (XLA FFI).
+
+In the decoder's layer scan XLA:CPU copies each layer's ``[B, kv_heads, P, D]`` key and value
+slice out of the ``[layer, B, kv_heads, slots, D]`` cache before attending to it (a
+dynamic-slice fusion per stack and layer). :func:`attend` instead hands the whole cache and the
+layer index to ``cache_attention_kernel.cc``, which reads that layer's first ``P`` slots where
+they lie and returns the softmax partials over them; the new tokens' own keys are folded in
+here with an exact log-sum-exp merge. The result equals :func:`marft_jax.models.attention.xla_attention`
+with a prefix up to float rounding.
+
+Selected by ``model.decode_attention`` (``auto``: ``native`` on a single CPU device in
+float32 when the kernel builds, else ``xla``; see :func:`resolve`). Forward only (the cache
+path is never differentiated), one device (the call is not partitioned), float32.
+
+The library is built lazily with the system C++ compiler (:mod:`marft_jax.native_build`);
+nothing raises at import. :func:`status` reports why it is unavailable.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import threading
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from marft_jax import native_build
+
+SOURCE = Path(__file__).with_name("cache_attention_kernel.cc")
+# -ffast-math: the dot products and expf vectorize (the kernel has no infinities or NaNs of its own)
+FLAGS = native_build.BASE_FLAGS + ("-ffast-math",)
+TARGET, SYMBOL = "marft_cache_attention", "MarftCacheAttention"
+CHOICES = ("auto", "xla", "native")
+_NEG = -1e30
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """Whether the kernel is usable in this process, and why not (``reason``)."""
+
+    available: bool
+    reason: str = ""
+    library: str | None = None
+    load_s: float | None = None
+
+
+_lock = threading.Lock()
+_status: Status | None = None
+
+
+def _load_and_register() -> Status:
+    t0 = time.perf_counter()
+    try:
+        path, _, _ = native_build.build(SOURCE, FLAGS)
+        lib = ctypes.CDLL(str(path))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
+    except (native_build.NativeUnavailable, OSError, AttributeError) as e:
+        return Status(available=False, reason=str(e))
+    return Status(available=True, library=str(path), load_s=time.perf_counter() - t0)
+
+
+def status() -> Status:
+    """Builds (or finds cached), loads and registers the kernel once per process."""
+    global _status
+    with _lock:
+        if _status is None:
+            _status = _load_and_register()
+        return _status
+
+
+def resolve(requested: str, *, backend: str | None = None, dtype=None, devices: int | None = None,
+            key: str = "model.decode_attention") -> str:
+    """``xla`` or ``native`` for ``requested`` (one of :data:`CHOICES`).
+
+    ``auto`` is ``native`` on a single CPU device in float32 when the kernel builds, else
+    ``xla``. ``native`` where it cannot run raises ``ValueError`` naming ``key`` and why.
+    """
+    if requested not in CHOICES:
+        raise ValueError(f"{key}={requested!r} is not one of {list(CHOICES)}")
+    if requested == "xla":
+        return "xla"
+    backend = backend or jax.default_backend()
+    devices = jax.device_count() if devices is None else devices
+    f32 = dtype is None or jnp.dtype(dtype) == jnp.dtype(jnp.float32)
+    why = None
+    if backend != "cpu":
+        why = f"runs on the CPU only (backend {backend!r})"
+    elif not f32:
+        why = f"needs float32 parameters (model dtype {jnp.dtype(dtype).name})"
+    elif devices != 1:
+        why = f"runs on one device (this run has {devices}; the call is not partitioned)"
+    else:
+        st = status()
+        if not st.available:
+            why = f"kernel unavailable: {st.reason}"
+    if why is None:
+        return "native"
+    if requested == "native":
+        raise ValueError(f"{key}=native {why}; use auto or xla")
+    return "xla"
+
+
+def attend(q: jax.Array, k_new: jax.Array, v_new: jax.Array, new_mask: jax.Array, k_cache: jax.Array,
+           v_cache: jax.Array, layer: jax.Array, cache_ok: jax.Array) -> jax.Array:
+    """Grouped-query attention of new tokens over cache layer ``layer`` plus their own keys.
+
+    Args:
+      q: ``[B, T, heads, D]`` queries of the new tokens (float32).
+      k_new, v_new: ``[B, kv_heads, T, D]`` their keys and values.
+      new_mask: ``[B, T, T]`` bool, query may attend to new key (causal and valid).
+      k_cache, v_cache: ``[layer, B, kv_heads, slots, D]`` float32, the whole stacked cache.
+      layer: int32 scalar, the layer to read.
+      cache_ok: ``[B, P]`` bool, cache slot readable (``P <= slots``: only the first ``P``
+        slots are read); every query of a row sees the same slots.
+    Returns:
+      ``[B, T, heads, D]`` in ``q``'s dtype.
+    """
+    b, t, nh, d = q.shape
+    nkv = k_new.shape[1]
+    g = nh // nkv
+    G = g * t
+    if k_cache.dtype != jnp.float32 or v_cache.dtype != jnp.float32:
+        raise ValueError(f"cache_attention.attend: the native kernel reads a float32 cache, got {k_cache.dtype}")
+    f32 = jnp.float32
+    # [B, kv_heads, g*T, D] (query rows grouped by kv head: g heads x T tokens), pre-scaled
+    qg = (q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nkv, G, d).astype(f32)
+          * (1.0 / np.sqrt(d)))
+    shapes = (jax.ShapeDtypeStruct((b, nkv, G), f32), jax.ShapeDtypeStruct((b, nkv, G), f32),
+              jax.ShapeDtypeStruct((b, nkv, G, d), f32))
+    m, l, acc = jax.ffi.ffi_call(TARGET, shapes, vmap_method="sequential")(
+        qg, k_cache, v_cache, cache_ok.astype(bool), jnp.asarray(layer, jnp.int32))
+    s = jnp.einsum("bkqd,bksd->bkqs", qg, k_new.astype(f32))                       # [B, kv, G, T]
+    nm = jnp.broadcast_to(new_mask[:, None, None], (b, 1, g, t, t)).reshape(b, 1, G, t)
+    s = jnp.where(nm, s, _NEG)
+    top = jnp.maximum(m, s.max(-1))
+    a = jnp.exp(m - top)
+    e = jnp.exp(s - top[..., None])
+    out = (acc * a[..., None] + jnp.einsum("bkqs,bksd->bkqd", e, v_new.astype(f32))) / (l * a + e.sum(-1))[..., None]
+    return out.reshape(b, nkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d).astype(q.dtype)

@@ -1,0 +1,112 @@
+"""Build and cache the native CPU kernels (C++ XLA FFI handlers) with the system compiler.
+
+Shared by the backups kernel (:mod:`marft_jax.rl.native`) and the decode-attention kernel
+(:mod:`marft_jax.models.cache_attention`). A library is compiled once per source, flags,
+jaxlib version, machine and compiler into a per-user cache (``$MARFT_JAX_CACHE``, else
+``$XDG_CACHE_HOME/marft_jax``, else ``~/.cache/marft_jax``); the build writes a temporary file
+and renames it (atomic), so concurrent processes are safe. Nothing raises at import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Sequence
+
+import jax
+
+BASE_FLAGS = ("-O3", "-std=c++17", "-shared", "-fPIC", "-ffp-contract=fast", "-Wno-psabi")
+
+
+class NativeUnavailable(RuntimeError):
+    """A kernel could not be built or loaded; the message says why."""
+
+
+def cache_dir() -> Path:
+    """Where built libraries live: ``$MARFT_JAX_CACHE`` or ``$XDG_CACHE_HOME/marft_jax``."""
+    env = os.environ.get("MARFT_JAX_CACHE")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "marft_jax"
+
+
+def find_compiler() -> str:
+    """Path of the C++ compiler: ``$CXX`` if set (must exist), else ``c++``/``g++``/``clang++``."""
+    cxx = os.environ.get("CXX")
+    if cxx:
+        found = shutil.which(cxx)
+        if not found:
+            raise NativeUnavailable(f"C++ compiler $CXX={cxx!r} not found")
+        return found
+    for name in ("c++", "g++", "clang++"):
+        found = shutil.which(name)
+        if found:
+            return found
+    raise NativeUnavailable("no C++ compiler found ($CXX unset; none of c++, g++, clang++ on PATH)")
+
+
+def _compiler_version(cxx: str) -> str:
+    try:
+        proc = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeUnavailable(f"cannot run {cxx} --version: {e}") from None
+    if proc.returncode != 0:
+        raise NativeUnavailable(f"{cxx} --version failed: {proc.stderr.strip()[-500:]}")
+    return proc.stdout.strip()
+
+
+def library_path(source: Path, flags: Sequence[str], cxx: str, directory: Path | None = None) -> Path:
+    """The cache file for this source, flags, jaxlib version, machine and compiler."""
+    import jaxlib
+
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(flags).encode(), jaxlib.__version__.encode(),
+                 platform.machine().encode(), cxx.encode(), _compiler_version(cxx).encode()):
+        key.update(part)
+        key.update(b"\0")
+    return (directory or cache_dir()) / f"{source.stem}-{key.hexdigest()[:20]}.so"
+
+
+def build(source: Path, flags: Sequence[str] = BASE_FLAGS,
+          directory: Path | None = None) -> tuple[Path, bool, float | None]:
+    """Builds the library of ``source`` unless cached.
+
+    Returns:
+      ``(path, compiled, compile_s)``: ``compiled`` is False on a cache hit (then
+      ``compile_s`` is None).
+
+    Raises:
+      NativeUnavailable: no compiler, an unwritable cache directory or a failed compile (the
+        message ends with the compiler's stderr tail).
+    """
+    cxx = find_compiler()
+    path = library_path(source, flags, cxx, directory)
+    if path.exists():
+        return path, False, None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
+        os.close(fd)
+    except OSError as e:
+        raise NativeUnavailable(f"cache directory {path.parent} not writable: {e}") from None
+    cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), str(source), "-o", tmp]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise NativeUnavailable(f"{' '.join(cmd)} failed (exit {proc.returncode}): "
+                                    f"{proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, path)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise NativeUnavailable(f"{' '.join(cmd)} failed: {e}") from None
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path, True, time.perf_counter() - t0
