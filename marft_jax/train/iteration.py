@@ -26,6 +26,7 @@ from marft_jax.rl.rollout import Generation, RolloutConfig, Team
 from marft_jax.rl.state import TrainState
 from marft_jax.rl.update import UpdateConfig, ppo_update
 from marft_jax.sampling.sampler import Sampler, SamplingConfig
+from marft_jax.train import host_memory
 from marft_jax.train import memory_plan
 from marft_jax.train import metrics as metrics_lib
 from marft_jax.train.compile_count import CompileCounter, compile_metrics
@@ -182,10 +183,13 @@ class TeamLearner:
             plan, pstats = self.update_plan(state, traj)
             batch, plan = self.place_update(batch, plan)
             self.check_update_memory(state, batch, plan, mask, train_policy)
+            # the rollout's and any compile's freed heap go back before the update's temporaries
+            host_memory.release_free_heap()
             state, upd = ppo_update(self.base, state, batch, jnp.asarray(mask), jnp.asarray(train_policy),
                                     cfg=self.cfg, ucfg=self.update_cfg, plan=plan)
             jax.block_until_ready(state.lora)
         timings["timing_s/update"] = time.perf_counter() - t2
+        host_memory.release_free_heap()          # the update's temporaries, before the next rollout
         self._report("update", timings["timing_s/update"])
         timings["timing_s/step"] = time.perf_counter() - t0
 
