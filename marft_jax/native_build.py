@@ -9,15 +9,18 @@ and renames it (atomic), so concurrent processes are safe. Nothing raises at imp
 
 from __future__ import annotations
 
+import ctypes
+import dataclasses
 import hashlib
 import os
 import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
 import jax
 
@@ -110,3 +113,51 @@ def build(source: Path, flags: Sequence[str] = BASE_FLAGS,
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path, True, time.perf_counter() - t0
+
+
+@dataclasses.dataclass(frozen=True)
+class Status:
+    """Outcome of building/loading a kernel library in this process.
+
+    ``compiled``: this process ran the compiler (cache miss); ``compile_s``: its wall seconds
+    (``None`` on a cache hit); ``load_s``: wall seconds of the whole load (compile, if any,
+    plus load and registration); ``reason``: why it is unavailable.
+    """
+
+    available: bool
+    reason: str = ""
+    library: str | None = None
+    compiled: bool = False
+    compile_s: float | None = None
+    load_s: float | None = None
+
+
+class Library:
+    """A kernel library built (or found cached), loaded and its FFI targets registered for
+    the CPU once per process, at the first :meth:`status` call (thread-safe).
+
+    ``targets``: FFI target name -> exported handler symbol.
+    """
+
+    def __init__(self, source: Path, flags: Sequence[str], targets: Mapping[str, str]):
+        self.source, self.flags, self.targets = source, tuple(flags), dict(targets)
+        self._lock = threading.Lock()
+        self._status: Status | None = None
+
+    def _load(self) -> Status:
+        t0 = time.perf_counter()
+        try:
+            path, compiled, compile_s = build(self.source, self.flags)
+            lib = ctypes.CDLL(str(path))
+            for target, symbol in self.targets.items():
+                jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+        except (NativeUnavailable, OSError, AttributeError) as e:
+            return Status(available=False, reason=str(e))
+        return Status(available=True, library=str(path), compiled=compiled, compile_s=compile_s,
+                      load_s=time.perf_counter() - t0)
+
+    def status(self) -> Status:
+        with self._lock:
+            if self._status is None:
+                self._status = self._load()
+            return self._status

@@ -36,7 +36,7 @@ import numpy as np
 IMPLEMENTATIONS = ("xla", "cudnn", "pallas", "splash")
 CHOICES = ("auto",) + IMPLEMENTATIONS
 _BACKENDS = {"xla": ("cpu", "gpu", "tpu"), "cudnn": ("gpu",), "pallas": ("gpu", "tpu"), "splash": ("tpu",)}
-_NEG = -1e30  # finite "minus infinity": fully masked (pad) query rows stay NaN-free
+NEG = -1e30  # finite "minus infinity": fully masked (pad) query rows stay NaN-free
 _log = logging.getLogger(__name__)
 _logged: set = set()
 
@@ -109,13 +109,12 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
         return _blocked_causal(q, k, v, mask, block)
     # Batch-major [B, kv_heads, group*T, D] queries: both einsums are plain batched matmuls
     # (no transposed operands or outputs), ~3x faster for decode on XLA:CPU.
-    qg = q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nkv, g * t, d)
+    qg = group_queries(q, nkv)
 
     def masked_scores(keys, m):
         s = jnp.einsum("bkqd,bksd->bkqs", qg, keys, preferred_element_type=jnp.float32)
         s = s * (1.0 / np.sqrt(d))
-        m = jnp.broadcast_to(m[:, None, None], (b, 1, g, t, m.shape[-1])).reshape(b, 1, g * t, -1)
-        return jnp.where(m, s, _NEG)
+        return jnp.where(group_mask(m, g), s, NEG)
 
     scores = masked_scores(k, mask)
     if prefix is None:
@@ -128,8 +127,28 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
         probs = probs.astype(v.dtype)
         out = (jnp.einsum("bkqs,bksd->bkqd", probs[..., :p], v_pre.astype(v.dtype))
                + jnp.einsum("bkqs,bksd->bkqd", probs[..., p:], v))
-    out = out.reshape(b, nkv, g, t, d)
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d)
+    return ungroup_queries(out, t)
+
+
+def group_queries(q: jax.Array, kv_heads: int) -> jax.Array:
+    """``[B, T, heads, D]`` -> ``[B, kv_heads, group·T, D]``: the query rows of each kv head
+    (its ``group = heads / kv_heads`` query heads times the T tokens), head-major."""
+    b, t, nh, d = q.shape
+    g = nh // kv_heads
+    return q.reshape(b, t, kv_heads, g, d).transpose(0, 2, 3, 1, 4).reshape(b, kv_heads, g * t, d)
+
+
+def ungroup_queries(x: jax.Array, t: int) -> jax.Array:
+    """Inverse of :func:`group_queries`: ``[B, kv_heads, group·T, D]`` -> ``[B, T, heads, D]``."""
+    b, nkv, gt, d = x.shape
+    g = gt // t
+    return x.reshape(b, nkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, nkv * g, d)
+
+
+def group_mask(mask: jax.Array, group: int) -> jax.Array:
+    """``[B, T, S]`` -> ``[B, 1, group·T, S]``, the rows of :func:`group_queries`."""
+    b, t, s = mask.shape
+    return jnp.broadcast_to(mask[:, None, None], (b, 1, group, t, s)).reshape(b, 1, group * t, s)
 
 
 def _query_blocks(t: int, block: int) -> list[tuple[int, int]]:
@@ -158,7 +177,7 @@ def _blocked_forward(q, k, v, mask, block):
     for s0, s1 in _query_blocks(t, block):
         s = jnp.einsum("bkqd,bksd->bkqs", _block_view(qg, s0, s1), k[:, :, :s1],
                        preferred_element_type=jnp.float32) * (1.0 / np.sqrt(d))
-        s = jnp.where(_block_mask(mask, s0, s1, g), s, _NEG)
+        s = jnp.where(_block_mask(mask, s0, s1, g), s, NEG)
         top = jnp.max(s, axis=-1, keepdims=True)
         p = jnp.exp(s - top)
         total = jnp.sum(p, axis=-1, keepdims=True)

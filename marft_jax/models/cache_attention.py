@@ -18,10 +18,6 @@ nothing raises at import. :func:`status` reports why it is unavailable.
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
-import threading
-import time
 from pathlib import Path
 
 import jax
@@ -29,47 +25,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from marft_jax import native_build
+from marft_jax.models import attention as attention_lib
 
 SOURCE = Path(__file__).with_name("cache_attention_kernel.cc")
 # -ffast-math: the dot products and expf vectorize (the kernel has no infinities or NaNs of its own)
 FLAGS = native_build.BASE_FLAGS + ("-ffast-math",)
 TARGET, SYMBOL = "marft_cache_attention", "MarftCacheAttention"
 CHOICES = ("auto", "xla", "native")
-_NEG = -1e30
 
 
-@dataclasses.dataclass(frozen=True)
-class Status:
-    """Whether the kernel is usable in this process, and why not (``reason``)."""
-
-    available: bool
-    reason: str = ""
-    library: str | None = None
-    load_s: float | None = None
+_library = native_build.Library(SOURCE, FLAGS, {TARGET: SYMBOL})
 
 
-_lock = threading.Lock()
-_status: Status | None = None
-
-
-def _load_and_register() -> Status:
-    t0 = time.perf_counter()
-    try:
-        path, _, _ = native_build.build(SOURCE, FLAGS)
-        lib = ctypes.CDLL(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
-    except (native_build.NativeUnavailable, OSError, AttributeError) as e:
-        return Status(available=False, reason=str(e))
-    return Status(available=True, library=str(path), load_s=time.perf_counter() - t0)
-
-
-def status() -> Status:
+def status() -> native_build.Status:
     """Builds (or finds cached), loads and registers the kernel once per process."""
-    global _status
-    with _lock:
-        if _status is None:
-            _status = _load_and_register()
-        return _status
+    return _library.status()
 
 
 def resolve(requested: str, *, backend: str | None = None, dtype=None, devices: int | None = None,
@@ -122,22 +92,20 @@ def attend(q: jax.Array, k_new: jax.Array, v_new: jax.Array, new_mask: jax.Array
     b, t, nh, d = q.shape
     nkv = k_new.shape[1]
     g = nh // nkv
-    G = g * t
     if k_cache.dtype != jnp.float32 or v_cache.dtype != jnp.float32:
         raise ValueError(f"cache_attention.attend: the native kernel reads a float32 cache, got {k_cache.dtype}")
     f32 = jnp.float32
-    # [B, kv_heads, g*T, D] (query rows grouped by kv head: g heads x T tokens), pre-scaled
-    qg = (q.reshape(b, t, nkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nkv, G, d).astype(f32)
-          * (1.0 / np.sqrt(d)))
-    shapes = (jax.ShapeDtypeStruct((b, nkv, G), f32), jax.ShapeDtypeStruct((b, nkv, G), f32),
-              jax.ShapeDtypeStruct((b, nkv, G, d), f32))
+    qg = attention_lib.group_queries(q.astype(f32), nkv) * (1.0 / np.sqrt(d))      # [B, kv, g*T, D]
+    rows = qg.shape[2]
+    shapes = (jax.ShapeDtypeStruct((b, nkv, rows), f32), jax.ShapeDtypeStruct((b, nkv, rows), f32),
+              jax.ShapeDtypeStruct((b, nkv, rows, d), f32))
     m, l, acc = jax.ffi.ffi_call(TARGET, shapes, vmap_method="sequential")(
         qg, k_cache, v_cache, cache_ok.astype(bool), jnp.asarray(layer, jnp.int32))
-    s = jnp.einsum("bkqd,bksd->bkqs", qg, k_new.astype(f32))                       # [B, kv, G, T]
-    nm = jnp.broadcast_to(new_mask[:, None, None], (b, 1, g, t, t)).reshape(b, 1, G, t)
-    s = jnp.where(nm, s, _NEG)
+    # the new keys, merged into the cached slots' partial softmax (log-sum-exp)
+    s = jnp.einsum("bkqd,bksd->bkqs", qg, k_new.astype(f32))                       # [B, kv, g*T, T]
+    s = jnp.where(attention_lib.group_mask(new_mask, g), s, attention_lib.NEG)
     top = jnp.maximum(m, s.max(-1))
     a = jnp.exp(m - top)
     e = jnp.exp(s - top[..., None])
     out = (acc * a[..., None] + jnp.einsum("bkqs,bksd->bkqd", e, v_new.astype(f32))) / (l * a + e.sum(-1))[..., None]
-    return out.reshape(b, nkv, g, t, d).transpose(0, 3, 1, 2, 4).reshape(b, t, nh, d).astype(q.dtype)
+    return attention_lib.ungroup_queries(out, t).astype(q.dtype)

@@ -68,15 +68,34 @@ class KVCache:
                    valid=jnp.zeros((batch, slots), bool), index=jnp.zeros((), jnp.int32))
 
 
-class NativeCacheView(NamedTuple):
-    """What a block reads of the cache with ``decode_attention="native"``: the whole stacks
-    ``k``/``v`` ``[layer, B, kv_heads, slots, D]``, the ``layer`` index and ``ok`` ``[B, P]``
-    (readable slots among the first ``P``)."""
+class CacheRead(NamedTuple):
+    """What a block reads of the KV cache: the whole stacks ``k``/``v``
+    ``[layer, B, kv_heads, slots, D]``, this block's ``layer`` index and ``ok`` ``[B, P]``, the
+    readable slots among the first ``P`` (``None``: nothing is read, a prefill into an empty
+    cache). :func:`_attend_cache` reads them per ``cfg.decode_attention``."""
 
     k: jax.Array
     v: jax.Array
     layer: jax.Array
-    ok: jax.Array
+    ok: jax.Array | None
+
+
+def _attend_cache(cfg: ModelConfig, q, k, v, mask_fn, read: CacheRead):
+    """Attention of the new tokens (``q`` ``[B, T, heads, D]``, ``k``/``v``
+    ``[B, kv_heads, T, D]``, ``mask_fn`` ``[B, T, T]``) over the cached slots ``read.ok`` and
+    their own keys. ``native``: the kernel reads the layer's slots in place; ``xla``: the
+    layer's first ``P`` slots are sliced out of the stacks (XLA:CPU copies them)."""
+    if cfg.decode_attention == "native":
+        return cache_attention.attend(q, k, v, mask_fn, read.k, read.v, read.layer, read.ok)
+    b, t = q.shape[:2]
+    p = read.ok.shape[1]
+    zero = jnp.zeros((), jnp.int32)
+    at = (read.layer, zero, zero, zero, zero)
+    size = (1,) + read.k.shape[1:3] + (p, read.k.shape[4])
+    k_pre = jax.lax.dynamic_slice(read.k, at, size)[0].astype(q.dtype)
+    v_pre = jax.lax.dynamic_slice(read.v, at, size)[0].astype(q.dtype)
+    prefix = (k_pre, v_pre, jnp.broadcast_to(read.ok[:, None, :], (b, t, p)))
+    return attention_lib.xla_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_fn, prefix, causal=True)
 
 
 @flax.struct.dataclass
@@ -170,10 +189,9 @@ def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, cache_in, 
     """One decoder block. Returns ``(x_out, kv_new)``.
 
     Without a cache (``cache_in is None``) attention is over this call's keys and ``kv_new`` is
-    None. With one, ``cache_in = (k_prefix, v_prefix, mask_prefix)`` is this layer's read-only
-    view of the filled cache slots (``[B, kv_heads, P, D]`` twice and ``[B, T, P]``; all None when
-    nothing is read, e.g. prefill into an empty cache); attention runs over those slots and the
-    new keys, and ``kv_new = (k, v)`` ``[B, kv_heads, T, D]`` are the entries to write. Attention
+    None. With one, ``cache_in`` is a :class:`CacheRead` of the read-only cache; attention runs
+    over its readable slots (none for a prefill into an empty cache) and the new keys, and
+    ``kv_new = (k, v)`` ``[B, kv_heads, T, D]`` are the entries to write. Attention
     without cached keys runs ``cfg.attention`` (:mod:`marft_jax.models.attention`) on
     ``segment_ids`` when it is not ``xla``; otherwise the boolean ``mask_fn`` ``[B, T, T]``.
     ``branched``: the mask also holds shared-prefix branches (kernels then need ``mask_fn``).
@@ -187,32 +205,21 @@ def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, cache_in, 
     k = rope(k, positions, cfg.rope_theta)
     k = jnp.swapaxes(k, 1, 2)                                   # [B, kv_heads, T, D]
     v = jnp.swapaxes(v, 1, 2)
-    kv_new, prefix = None, None
-    if isinstance(cache_in, NativeCacheView):
-        o = cache_attention.attend(q, k, v, mask_fn, cache_in.k, cache_in.v, cache_in.layer, cache_in.ok)
-        return _block_tail(cfg, x, o, p, la, lb, scale, per_row), (k, v)
-    if cache_in is not None:
-        k_pre, v_pre, mask_pre = cache_in
-        kv_new = (k, v)
-        if k_pre is not None:
-            prefix = (k_pre.astype(q.dtype), v_pre.astype(q.dtype), mask_pre)
-    if prefix is None and cfg.attention != "xla" and segment_ids is not None:
+    kv_new = None if cache_in is None else (k, v)
+    if cache_in is not None and cache_in.ok is not None:
+        o = _attend_cache(cfg, q, k, v, mask_fn, cache_in)
+    elif cfg.attention != "xla" and segment_ids is not None:
         o = attention_lib.segment_attention(q, k.astype(q.dtype), v.astype(q.dtype), segment_ids, impl=cfg.attention,
                                             mask=mask_fn if branched else None)
     else:
-        # mask_fn is causal by construction (forward); with a prefix the blocked path is off
-        o = attention_lib.xla_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_fn, prefix, causal=True)
-    return _block_tail(cfg, x, o, p, la, lb, scale, per_row), kv_new
-
-
-def _block_tail(cfg: ModelConfig, x, o, p, la, lb, scale, per_row):
-    """The block after attention: output projection, residual, MLP, residual."""
-    b, t, _ = x.shape
-    x = x + _proj(o.reshape(b, t, cfg.q_size), p, "o_proj", la, lb, scale, per_row)
+        o = attention_lib.xla_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_fn, causal=True)  # mask_fn is causal
+    o = o.reshape(b, t, cfg.q_size)
+    x = x + _proj(o, p, "o_proj", la, lb, scale, per_row)
     h = rms_norm(x, p["post_norm"], cfg.rms_norm_eps)
     gate = _proj(h, p, "gate_proj", la, lb, scale, per_row)
     up = _proj(h, p, "up_proj", la, lb, scale, per_row)
-    return x + _proj(jax.nn.silu(gate) * up, p, "down_proj", la, lb, scale, per_row)
+    x = x + _proj(jax.nn.silu(gate) * up, p, "down_proj", la, lb, scale, per_row)
+    return x, kv_new
 
 
 def forward(
@@ -300,32 +307,19 @@ def forward(
         x, _ = jax.lax.scan(body, x, (params["layers"], la, lb))
         return rms_norm(x, params["final_norm"], cfg.rms_norm_eps), None
 
-    # Cache path: the cache is read-only inside the layer scan (each layer slices its own
-    # filled slots), the scan emits only the new entries as ys, and one dynamic_update_slice
+    # Cache path: the cache is read-only inside the layer scan (each layer reads its own
+    # filled slots, _attend_cache), the scan emits only the new entries as ys, and one dynamic_update_slice
     # per stack writes them after the scan (in place when the cache is donated).
     slots = cache.k.shape[3]
     read = slots if read_slots is None else int(read_slots)
     if not 0 <= read <= slots:
         raise ValueError(f"forward: read_slots={read} outside [0, {slots}]")
-    if read:
-        prefix_ok = cache.valid[:, :read] & (jnp.arange(read) < cache.index)[None]   # [B, P]
-        prefix_mask = jnp.broadcast_to(prefix_ok[:, None, :], (b, t, read))
-
-    native = cfg.decode_attention == "native" and read > 0
+    # [B, P]: readable slots among the first `read` (all rows share the write cursor)
+    ok = cache.valid[:, :read] & (jnp.arange(read) < cache.index)[None] if read else None
 
     def cached_body(x, xs):
         p, la_l, lb_l, layer = xs
-        if native:   # the kernel reads this layer's slots in place (no per-layer slice copy)
-            cache_in = NativeCacheView(cache.k, cache.v, layer, prefix_ok)
-        elif read:
-            zero = jnp.zeros((), jnp.int32)
-            at = (layer, zero, zero, zero, zero)
-            size = (1,) + cache.k.shape[1:3] + (read, cache.k.shape[4])
-            k_pre = jax.lax.dynamic_slice(cache.k, at, size)[0]
-            v_pre = jax.lax.dynamic_slice(cache.v, at, size)[0]
-            cache_in = (k_pre, v_pre, prefix_mask)
-        else:
-            cache_in = (None, None, None)
+        cache_in = CacheRead(cache.k, cache.v, layer, ok)
         x, (k_new, v_new) = _block(cfg, x, p, la_l, lb_l, scale, per_row, positions, cache_in, mask, seg)
         return x, (k_new.astype(cache.k.dtype), v_new.astype(cache.v.dtype))
 

@@ -24,10 +24,6 @@ back to the XLA implementations (``impl="auto"``).
 
 from __future__ import annotations
 
-import ctypes
-import dataclasses
-import threading
-import time
 from pathlib import Path
 
 import jax
@@ -43,25 +39,8 @@ TARGET, SYMBOL = "marft_backup", "MarftBackup"     # FFI target name, exported h
 LINKED_TARGET, LINKED_SYMBOL = "marft_backup_linked", "MarftBackupLinked"   # link-table backups
 
 
-@dataclasses.dataclass(frozen=True)
-class Status:
-    """Outcome of building/loading the kernel in this process.
-
-    ``compiled``: this process ran the compiler (cache miss); ``compile_s``: its wall seconds
-    (``None`` on a cache hit); ``load_s``: wall seconds of the whole :func:`status` step
-    (compile, if any, plus load and registration).
-    """
-
-    available: bool
-    reason: str = ""
-    library: str | None = None
-    compiled: bool = False
-    compile_s: float | None = None
-    load_s: float | None = None
-
-
-_lock = threading.Lock()
-_status: Status | None = None
+Status = native_build.Status
+_library = native_build.Library(SOURCE, FLAGS, {TARGET: SYMBOL, LINKED_TARGET: LINKED_SYMBOL})
 
 
 def library_path(cxx: str, directory: Path | None = None) -> Path:
@@ -74,27 +53,9 @@ def build(directory: Path | None = None) -> tuple[Path, bool, float | None]:
     return native_build.build(SOURCE, FLAGS, directory)
 
 
-def _load_and_register() -> Status:
-    t0 = time.perf_counter()
-    try:
-        path, compiled, compile_s = build()
-        lib = ctypes.CDLL(str(path))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(lib, SYMBOL)), platform="cpu")
-        jax.ffi.register_ffi_target(LINKED_TARGET, jax.ffi.pycapsule(getattr(lib, LINKED_SYMBOL)),
-                                    platform="cpu")
-    except (NativeUnavailable, OSError, AttributeError) as e:
-        return Status(available=False, reason=str(e))
-    return Status(available=True, library=str(path), compiled=compiled, compile_s=compile_s,
-                  load_s=time.perf_counter() - t0)
-
-
 def status() -> Status:
     """Builds (or finds cached), loads and registers the kernel once per process."""
-    global _status
-    with _lock:
-        if _status is None:
-            _status = _load_and_register()
-        return _status
+    return _library.status()
 
 
 def available() -> bool:
