@@ -60,7 +60,7 @@ def test_writer_jsonl_tensorboard_and_resume_truncation(tmp_path):
     # Crash after step 5 with a torn line; resume from the step-3 checkpoint.
     with open(tmp_path / M.METRICS_FILE, "a") as f:
         f.write('{"step": 6, "episode/acc')
-    with M.MetricsWriter(tmp_path, tensorboard=True, resume_step=3) as w:
+    with M.MetricsWriter(tmp_path, ["jsonl", "tensorboard"], resume_step=3) as w:
         assert [r["step"] for r in _lines(tmp_path)] == [1, 2, 3]
         w.write(4, {"episode/accuracy": 0.9})
     rows = _lines(tmp_path)
@@ -72,7 +72,7 @@ def test_writer_jsonl_tensorboard_and_resume_truncation(tmp_path):
 
 
 def test_writer_without_tensorboard_and_reserved_names(tmp_path):
-    w = M.MetricsWriter(tmp_path, tensorboard=False)
+    w = M.MetricsWriter(tmp_path, ["jsonl"])
     w.write(1, {"x": np.array([1.0, 2.0]), "tag": "ok"})
     with pytest.raises(ValueError, match="reserved"):
         w.write(2, {"step": 3})
@@ -124,7 +124,7 @@ def test_plot_run_writes_pngs(tmp_path):
     (tmp_path / M.METRICS_FILE).write_text("")
     with pytest.raises(ValueError, match="no numeric metrics"):
         plot_run(tmp_path)
-    with M.MetricsWriter(tmp_path, tensorboard=False) as w:
+    with M.MetricsWriter(tmp_path, ["jsonl"]) as w:
         for s in range(1, 5):
             w.write(s, {"rewards/agent0/mean": 0.1 * s, "rewards/agent1/mean": 0.2 * s, "episode/accuracy": 0.25 * s,
                         "actor/agent0/pg_loss": -0.1, "critic/value_loss": 1.0 / s,

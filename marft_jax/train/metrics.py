@@ -1,22 +1,16 @@
-"""Training metrics: the JSONL + TensorBoard writer, MFU, per-agent names and stage timers.
+"""Training metrics: the per-step writer, MFU, per-agent names and stage timers.
 
 Names follow the style guide §4 (``perf/throughput``, ``timing_s/<stage>``,
 ``actor/<agent>/pg_loss``, ``critic/value_loss``, ...).
 
-``metrics.jsonl`` holds one JSON object per logged step, ``{"step": 12, "time": 1.7e9,
-"<name>": value, ...}``, appended and flushed line by line. Non-finite floats are written as the
-strings ``"nan"``, ``"inf"``, ``"-inf"`` (strict JSON has no NaN; ``float()`` reads them back).
-On resume, lines with ``step > resume_step`` (and a torn last line) are dropped first, so a
-step is never logged twice. TensorBoard event files (tensorboardX, scalars only) go to
-``<run_dir>/tb``; on resume the writer sets ``purge_step = resume_step + 1`` so TensorBoard
-hides the events of the abandoned steps.
+:class:`MetricsWriter` turns each step's metrics into one host record and hands it to the
+sinks that ``train.loggers`` names (:mod:`marft_jax.train.metric_sinks`: ``metrics.jsonl``,
+required; TensorBoard under ``<run_dir>/tb``; W&B, offline, with the ``wandb`` extra). That module
+documents the file format and what each sink does on resume.
 """
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence
@@ -25,9 +19,8 @@ import jax
 import numpy as np
 
 from marft_jax.train import peaks
-
-METRICS_FILE = "metrics.jsonl"
-TB_DIR = "tb"
+from marft_jax.train.metric_sinks import DEFAULT_LOGGERS, RESERVED, MetricSink, open_sinks
+from marft_jax.train.metric_sinks import METRICS_FILE, TB_DIR, read_metrics  # noqa: F401  (read here by plot.py, tests)
 
 def device_peak_flops(device: Any | None = None) -> float | None:
     """Datasheet dense bf16 FLOP/s of ``device`` (default: the first device), or None when its
@@ -130,14 +123,6 @@ def per_agent(prefix: str, values: Mapping[str, Any], roles: Sequence[str]) -> d
     return out
 
 
-def _encode(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
-    if isinstance(v, list):
-        return [_encode(x) for x in v]
-    return v
-
-
 def _to_python(v: Any) -> Any:
     if isinstance(v, (np.ndarray, np.generic)):
         return v.item() if v.size == 1 else v.tolist()
@@ -148,100 +133,46 @@ def _to_python(v: Any) -> Any:
     return str(v)
 
 
-def _read_lines(path: Path) -> list[dict]:
-    """Parse a metrics file, skipping a torn (unparseable) line such as a crash's last write."""
-    rows = []
-    if not path.is_file():
-        return rows
-    for line in path.read_text().splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and "step" in rec:
-            rows.append(rec)
-    return rows
-
-
-def read_metrics(run_dir: str | Path) -> list[dict]:
-    """All records of ``<run_dir>/metrics.jsonl`` in file order (torn lines skipped)."""
-    return _read_lines(Path(run_dir) / METRICS_FILE)
-
-
 class MetricsWriter:
-    """Append per-step metrics to ``<run_dir>/metrics.jsonl`` and TensorBoard.
+    """Log per-step metrics to the run's sinks (``metrics.jsonl`` first).
 
     Args:
       run_dir: the run directory (created).
-      tensorboard: also write tensorboardX event files under ``<run_dir>/tb``.
+      loggers: the sink names (``train.loggers``): ``jsonl`` (required), ``tensorboard``,
+        ``wandb``; see :mod:`marft_jax.train.metric_sinks`.
       resume_step: the step of the checkpoint being resumed; records with a larger step are
         removed from ``metrics.jsonl`` (rewritten atomically) and purged in TensorBoard.
       enabled: False on every process but process 0 of a multi-process run: records are built
-        and returned, nothing is written.
+        and returned, no sink is opened and nothing is written.
+      options: keyword arguments per sink name, e.g. ``{"wandb": {"project": "p", "mode": "offline"}}``.
     """
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, resume_step: int | None = None,
-                 enabled: bool = True):
+    def __init__(self, run_dir: str | Path, loggers: Sequence[str] = DEFAULT_LOGGERS,
+                 resume_step: int | None = None, enabled: bool = True,
+                 options: Mapping[str, Mapping[str, Any]] | None = None):
         self.run_dir = Path(run_dir)
         self.enabled = enabled
-        self._f, self._tb = None, None
-        if not enabled:
-            return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.path = self.run_dir / METRICS_FILE
-        if resume_step is not None:
-            self._truncate(int(resume_step))
-        self._f = open(self.path, "a", encoding="utf-8")
-        self._tb = None
-        if tensorboard:
-            from tensorboardX import SummaryWriter
-
-            kw = {"purge_step": int(resume_step) + 1} if resume_step is not None else {}
-            self._tb = SummaryWriter(logdir=str(self.run_dir / TB_DIR), **kw)
-
-    def _truncate(self, resume_step: int) -> None:
-        if not self.path.is_file():
-            return
-        keep = [r for r in _read_lines(self.path) if int(r["step"]) <= resume_step]
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for r in keep:
-                f.write(json.dumps(r, sort_keys=True) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        self.sinks: list[MetricSink] = open_sinks(loggers, self.run_dir, resume_step, options) if enabled else []
 
     def write(self, step: int, metrics: Mapping[str, Any]) -> dict:
         """Log one step. Values may be Python/NumPy scalars or JAX arrays (fetched in one sync);
-        size-1 arrays become scalars, larger ones JSON lists (not sent to TensorBoard).
+        size-1 arrays become scalars, larger ones JSON lists (not sent to TensorBoard or W&B).
         Returns the record written."""
         host = jax.device_get(dict(metrics))
         rec: dict[str, Any] = {"step": int(step), "time": time.time()}
         for k, v in host.items():
-            if k in ("step", "time"):
+            if k in RESERVED:
                 raise ValueError(f"metric name {k!r} is reserved")
             rec[str(k)] = _to_python(v)
-        if not self.enabled:
-            return rec
-        self._f.write(json.dumps({k: _encode(v) for k, v in rec.items()}, sort_keys=True, allow_nan=False) + "\n")
-        self._f.flush()
-        if self._tb is not None:
-            for k, v in rec.items():
-                if k in ("step", "time") or isinstance(v, (bool, str, list)) or v is None:
-                    continue
-                self._tb.add_scalar(k, float(v), int(step))
-            self._tb.flush()
+        for sink in self.sinks:
+            sink.write(int(step), rec)
         return rec
 
     def close(self) -> None:
-        if self._f is not None and not self._f.closed:
-            self._f.close()
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        """Close every sink (once; later calls do nothing)."""
+        sinks, self.sinks = self.sinks, []
+        for sink in sinks:
+            sink.close()
 
     def __enter__(self) -> "MetricsWriter":
         return self
