@@ -96,8 +96,14 @@ class UpdateBatch:
 
 
 def _micro(x: jax.Array, m: int) -> jax.Array:
-    """``[R, ...] -> [m, R/m, ...]``."""
-    return x.reshape((m, x.shape[0] // m) + x.shape[1:])
+    """``[R, ...] -> [m, R/m, ...]``: micro-batch ``v`` is rows ``v*R/m .. (v+1)*R/m - 1``.
+
+    Under a context mesh each micro-batch stays split over the data shards (axis 1), so every
+    device computes 1/D of every micro-batch. Without the constraint XLA keeps the rows' split on
+    the new micro-batch axis (contiguous blocks of rows live on contiguous devices), and the scan
+    over micro-batches gathers each one whole onto every device.
+    """
+    return sharding.constrain_rows(x.reshape((m, x.shape[0] // m) + x.shape[1:]), axis=1)
 
 
 def _policy_logprobs(base, lora_m: LoraStack, cfg: ModelConfig, ucfg: UpdateConfig, d: dict, remat: bool | None):
