@@ -16,7 +16,7 @@ import jax
 
 from marft_jax.config import load_config
 from marft_jax.rl.state import init_train_state
-from marft_jax.train.build import build_run, lora_config, optim_config
+from marft_jax.train.build import build_run
 from marft_jax.train.evaluate import evaluate
 
 
@@ -33,8 +33,8 @@ def main() -> None:
     for level in args.levels:
         cfg = load_config(preset[0], overrides + [f"task.level={level}", "train.scoring_workers=0"])
         run = build_run(cfg)
-        state = init_train_state(jax.random.key(0), run.model.cfg, lora_config(cfg), cfg.team.num_agents,
-                                 optim_config(cfg, 1))
+        state = init_train_state(jax.random.key(0), run.model.cfg, cfg.lora, cfg.team.num_agents,
+                                 cfg.optim)
         problems = list(itertools.islice(run.task.problems("test", 0), args.problems))
         t0 = time.perf_counter()
         res = evaluate(run.learner, state, problems, temperature=0.0, seeds=[0], batch_size=args.batch)

@@ -250,8 +250,7 @@ def part_update(small: bool) -> dict:
     from marft_jax.bench.update import SMOLLM2_135M_SHAPE
     from marft_jax.models import decoder
     from marft_jax.models.config import ModelConfig
-    from marft_jax.models.lora import LoraConfig
-    from marft_jax.rl.state import OptimConfig
+    from marft_jax.config import LoraConfig, OptimConfig, PPOConfig
     from marft_jax.rl.update import UpdateBatch, UpdateConfig, ppo_update
     from marft_jax.train import peaks
 
@@ -270,7 +269,7 @@ def part_update(small: bool) -> dict:
         act_valid=jnp.asarray(av), logp_old=jnp.full(shape + (act,), -3.0), adv=jnp.asarray(rng.normal(size=shape)),
         ret=jnp.asarray(rng.normal(size=shape)), v_old=jnp.zeros(shape), dp_mask=jnp.ones(shape, bool),
         feats=jnp.zeros(shape + (cfg.hidden_size,)), word_count=jnp.full(shape, act, jnp.int32))
-    ucfg = UpdateConfig(kl_stop=None, happo_weighting=False)
+    ucfg = UpdateConfig(ppo=PPOConfig(kl_stop=None, happo_weighting=False))
     mask, flag = jnp.ones((1,), bool), jnp.asarray(True)
     state, _ = ppo_update(params, state, batch, mask, flag, cfg=cfg, ucfg=ucfg)   # compile
     jax.block_until_ready(state.lora)
@@ -289,7 +288,7 @@ def part_update(small: bool) -> dict:
 def part_iteration(small: bool, math_path: Path) -> dict:
     from marft_jax.bench import iteration as bench_it
     from marft_jax.config import load_config
-    from marft_jax.train.build import build_run, lora_config, optim_config
+    from marft_jax.train.build import build_run
 
     with contextlib.ExitStack() as stack:
         if small:
@@ -310,8 +309,8 @@ def part_iteration(small: bool, math_path: Path) -> dict:
         stack.callback(run.close)
         if small:   # one prompt bucket for both agents' prompts: one sampler compile, not two
             run.learner.sampler.min_prompt_bucket = 128
-        state = _init_state(jax.random.key(0), run.model.cfg, lora_config(cfg), cfg.team.num_agents,
-                            optim_config(cfg, 2), jit=small)
+        state = _init_state(jax.random.key(0), run.model.cfg, cfg.lora, cfg.team.num_agents,
+                            cfg.optim, jit=small)
         problems = bench_it.select_problems(run, wl, cfg.rollout.rows) if wl.agent0_context else \
             [p for _, p in zip(range(cfg.rollout.rows), run.task.problems("train", 0))]
         key = jax.random.key(0)

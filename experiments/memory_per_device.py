@@ -349,7 +349,7 @@ def _measure(args) -> dict:
         r = cfg.rollout
         S, B, N, K = r.horizon, r.rows, n_agents, r.max_new_tokens
         ctx_len = r.context_window - K
-        ucfg = build.update_config(cfg, cfg.train.iterations * cfg.ppo.epochs * cfg.ppo.num_minibatches)
+        ucfg = build.update_config(cfg)
         share = cfg.ppo.share_prefixes        # the GPU's attention (cudnn) takes shared prefixes too
         token_level = cfg.algo.level == "token"
         settings = {"level": cfg.algo.level, "horizon": S, "rows": B, "agents": N, "context_window": r.context_window,
@@ -362,7 +362,7 @@ def _measure(args) -> dict:
         traj = worst_case_trajectory(np.random.default_rng(0), mcfg.vocab_size, S=S, B=B, N=N, ctx=ctx_len, K=K)
         if base_shapes is None:
             base_shapes = jax.eval_shape(lambda: decoder.init_params(jax.random.key(0), mcfg, dtype=dtype))
-        state_shapes = jax.eval_shape(lambda k: init_train_state(k, mcfg, build.lora_config(cfg), N, ucfg.optim,
+        state_shapes = jax.eval_shape(lambda k: init_train_state(k, mcfg, cfg.lora, N, ucfg.optim,
                                                                  critic_lora=cfg.ppo.critic_lora),
                                       jax.random.key(0))
         team_out: dict = {"settings": settings, "meshes": {}}
@@ -377,7 +377,7 @@ def _measure(args) -> dict:
             base = jax.tree.map(_abstract, base_shapes, shardings)
             state = jax.tree.map(lambda x: _abstract(x, placement.replicated), state_shapes)
             learner = TeamLearner(cfg=mcfg, base=base, tokenizer=types.SimpleNamespace(pad_id=pad_id),
-                                  sampler=None, team=None, score_fn=None, rollout_cfg=None, sampling=None,
+                                  sampler=None, team=None, score_fn=None, rollout_cfg=None,
                                   update_cfg=ucfg, adv_cfg=None, pack_sequences=cfg.ppo.pack_sequences,
                                   share_prefixes=share, placement=placement)
             progs: dict[str, dict] = {}
@@ -421,7 +421,7 @@ def _measure(args) -> dict:
             adv_out = jax.eval_shape(
                 prepare._advantages, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (
                     f32(*dp_shape), traj.act_valid, traj.step_mask, traj.score, traj.agent_score, traj.terminal,
-                    traj.truncated, f32(B, N))), acfg=prepare.AdvantageConfig(level=cfg.algo.level))
+                    traj.truncated, f32(B, N))), acfg=prepare.AdvantageConfig(algo=cfg.algo))
             value, dp, _, adv, ret = (np.zeros(x.shape, x.dtype) for x in adv_out)
             batch = UpdateBatch(ctx_tokens=None, ctx_valid=None, act_tokens=traj.act_tokens,
                                 act_valid=traj.act_valid, logp_old=traj.policy_logp, adv=adv, ret=ret, v_old=value,

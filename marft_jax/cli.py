@@ -71,7 +71,7 @@ def cmd_eval(args) -> int:
     import jax
 
     from marft_jax.rl.state import init_train_state
-    from marft_jax.train.build import build_run, lora_config, optim_config
+    from marft_jax.train.build import build_run
     from marft_jax.train.checkpoint import CheckpointManager
     from marft_jax.train.evaluate import evaluate
     from marft_jax.train.trainer import method_fields
@@ -79,8 +79,8 @@ def cmd_eval(args) -> int:
     cfg = _load(args.config, "demo")
     run = build_run(cfg)
     try:
-        state = init_train_state(jax.random.key(0), run.model.cfg, lora_config(cfg), cfg.team.num_agents,
-                                 optim_config(cfg, 1), critic_lora=cfg.ppo.critic_lora)
+        state = init_train_state(jax.random.key(0), run.model.cfg, cfg.lora, cfg.team.num_agents,
+                                 cfg.optim, critic_lora=cfg.ppo.critic_lora)
         source = "base model (fresh adapters = identity)"
         if args.run:
             ckpt = CheckpointManager(Path(args.run) / "checkpoints", async_save=False, read_only=True)

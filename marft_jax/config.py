@@ -5,6 +5,13 @@ configs built from our dataclasses, rejects unknown keys and wrong types with th
 the message, and is a small, long-maintained dependency (Hydra's core). Range checks that types
 cannot express live in :func:`validate` and also name the dotted key.
 
+Each concern has one dataclass, used directly by the code that runs it: ``Config.lora`` is the
+:class:`LoraConfig` the adapters are built from, ``Config.optim`` the :class:`OptimConfig` of the
+optimizers, ``Config.ppo`` the :class:`PPOConfig` the update reads, ``Config.algo`` the
+:class:`AlgoConfig` of the rewards and backups, and ``Config.rollout`` the :class:`RolloutConfig`
+the rollout and the sampler read (the training temperature lives there only). Those are frozen
+(hashable: the update takes them as jit static arguments) and are validated once, here.
+
 ``load_config("demo", ["ppo.epochs=2"])`` takes a preset name from ``experiments/configs`` (or
 the package copy of the demo), a YAML path, or nothing (the defaults), then the overrides.
 """
@@ -33,11 +40,18 @@ class ModelSection:
     decode_attention: str = "auto"      # auto | xla | native: attention over the KV cache (marft_jax.models.cache_attention)
 
 
-@dataclass
-class LoraSection:
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA hyper-parameters (reference defaults: r 8, alpha 16, q_proj and v_proj); the adapter
+    update is ``scale · (x A) B`` with ``scale = alpha / rank`` (PEFT's default)."""
+
     rank: int = 8
     alpha: float = 16.0
-    targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])
+    targets: list[str] = field(default_factory=lambda: ["q_proj", "v_proj"])  # marft_jax.models.lora.TARGETS
+
+    @property
+    def scale(self) -> float:
+        return float(self.alpha) / float(self.rank)
 
 
 @dataclass
@@ -68,24 +82,39 @@ class TeamSection:
     layer_links: str = "chain"
 
 
-@dataclass
-class RolloutSection:
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How episodes are played (:func:`marft_jax.rl.rollout.rollout`) and sampled (its fields
+    ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p`` are the sampler's settings)."""
+
     mode: str = "sequential"            # sequential (MARFT chain) | parallel (independent PPO)
     rows: int = 8                       # episodes per rollout
     horizon: int = 1
     max_steps: Optional[int] = None
     max_new_tokens: int = 512           # per agent (the sampler's buffer size)
-    agent_max_new_tokens: Optional[list[int]] = None  # one budget per agent, each <= max_new_tokens
-    context_window: int = 2048
-    temperature: float = 1.0
+    agent_max_new_tokens: Optional[tuple[int, ...]] = None  # one budget per agent, each <= max_new_tokens
+    context_window: int = 2048          # max context + response tokens; a budget shrinks to fit (counted)
+    temperature: float = 1.0            # the training temperature: sampling, and every log-prob of PPO
     top_k: int = 0
     top_p: float = 1.0
     prompt_format: str = "chat"         # chat | g1_raw
-    success_threshold: float = 1.0
+    success_threshold: float = 1.0      # a step whose score reaches it ends the episode
+
+    def budget(self, agent: int) -> int:
+        """Agent ``agent``'s token budget K_i."""
+        k = self.agent_max_new_tokens
+        return int(self.max_new_tokens if k is None else k[agent])
+
+    @property
+    def steps(self) -> int:
+        """Steps played at most: the step cap, else the horizon."""
+        return self.max_steps or self.horizon
 
 
-@dataclass
-class AlgoSection:
+@dataclass(frozen=True)
+class AlgoConfig:
+    """Decision level, rewards and backups."""
+
     level: str = "action"               # action (MARFT-A) | token (MARFT-T)
     gamma: Optional[float] = None       # default: 0.99 (action) / 1.0 (token)
     lam: Optional[float] = None         # default: 0.95 (action) / 1.0 (token)
@@ -96,9 +125,25 @@ class AlgoSection:
     ippo_own_weight: float = 0.5        # independent PPO: w * own + (1 - w) * team mean
     reference_semantics: bool = False   # G1's backup masks and bootstrap (parity runs)
 
+    @property
+    def token_level(self) -> bool:
+        return self.level == "token"
 
-@dataclass
-class PPOSection:
+    @property
+    def discount(self) -> float:
+        """``gamma``, or the level's default."""
+        return self.gamma if self.gamma is not None else (0.99 if self.level == "action" else 1.0)
+
+    @property
+    def gae_lambda(self) -> float:
+        """``lam``, or the level's default."""
+        return self.lam if self.lam is not None else (0.95 if self.level == "action" else 1.0)
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    """PPO epochs, losses, clipping and the agent schedule (reference §7-§9)."""
+
     epochs: int = 1
     num_minibatches: int = 1
     micro_batches: int = 1
@@ -125,8 +170,11 @@ class PPOSection:
     share_prefixes: bool = True         # packed rows compute a step's prefix repeated from the step before once
 
 
-@dataclass
-class OptimSection:
+@dataclass(frozen=True)
+class OptimConfig:
+    """Policy AdamW / critic Adam settings (reference §7 and §13); the cosine schedule runs over
+    the run's update count, which :func:`marft_jax.rl.state.policy_optimizer` takes."""
+
     policy_lr: float = 1e-6
     critic_lr: float = 5e-5
     eps: float = 1e-5
@@ -188,24 +236,24 @@ class DistSection:
 class Config:
     preset: str = "default"
     model: ModelSection = field(default_factory=ModelSection)
-    lora: LoraSection = field(default_factory=LoraSection)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     task: TaskSection = field(default_factory=TaskSection)
     team: TeamSection = field(default_factory=TeamSection)
-    rollout: RolloutSection = field(default_factory=RolloutSection)
-    algo: AlgoSection = field(default_factory=AlgoSection)
-    ppo: PPOSection = field(default_factory=PPOSection)
-    optim: OptimSection = field(default_factory=OptimSection)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     train: TrainSection = field(default_factory=TrainSection)
     mesh: MeshSection = field(default_factory=MeshSection)
     dist: DistSection = field(default_factory=DistSection)
 
     @property
     def gamma(self) -> float:
-        return self.algo.gamma if self.algo.gamma is not None else (0.99 if self.algo.level == "action" else 1.0)
+        return self.algo.discount
 
     @property
     def lam(self) -> float:
-        return self.algo.lam if self.algo.lam is not None else (0.95 if self.algo.level == "action" else 1.0)
+        return self.algo.gae_lambda
 
 
 PRESET_DIR = Path(__file__).resolve().parents[1] / "experiments" / "configs"
@@ -271,6 +319,13 @@ def validate(cfg: Config) -> Config:
         need("rollout.max_steps", 1 <= cfg.rollout.max_steps <= cfg.rollout.horizon, "in [1, rollout.horizon]")
     need("lora.rank", cfg.lora.rank >= 1, ">= 1")
     need("lora.alpha", cfg.lora.alpha > 0, "> 0")
+    from marft_jax.models.lora import TARGETS
+
+    if not cfg.lora.targets:
+        raise ConfigError("lora.targets must name at least one module")
+    bad = [t for t in cfg.lora.targets if t not in TARGETS]
+    if bad:
+        raise ConfigError(f"lora.targets: unknown module(s) {bad}; choose from {list(TARGETS)}")
     for key in ("optim.policy_lr", "optim.critic_lr", "optim.eps"):
         need(key, _get(cfg, key) > 0, "> 0")
     need("optim.weight_decay", cfg.optim.weight_decay >= 0, ">= 0")

@@ -22,7 +22,7 @@ from marft_jax.config import load_config  # noqa: E402
 from marft_jax.models.sharding import to_host  # noqa: E402
 from marft_jax.rl.state import init_train_state  # noqa: E402
 from marft_jax.sampling.sampler import SamplingConfig  # noqa: E402
-from marft_jax.train.build import build_run, lora_config, optim_config  # noqa: E402
+from marft_jax.train.build import build_run  # noqa: E402
 from marft_jax.train.trainer import ProblemStream  # noqa: E402
 
 ROWS = 8
@@ -49,8 +49,8 @@ def run_one(out: Path, model_dir: str, *overrides: str) -> None:
     run = build_run(cfg)
     try:
         learner = run.learner
-        state = init_train_state(jax.random.key(0), run.model.cfg, lora_config(cfg), cfg.team.num_agents,
-                                 optim_config(cfg, 2), critic_lora=cfg.ppo.critic_lora)
+        state = init_train_state(jax.random.key(0), run.model.cfg, cfg.lora, cfg.team.num_agents,
+                                 cfg.optim, critic_lora=cfg.ppo.critic_lora)
         state = learner.place_state(state)
         problems = ProblemStream(run.task, 0).take(ROWS)
         state, metrics, texts = learner.iteration(state, problems, iteration=0, env_samples=0,

@@ -24,9 +24,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from marft_jax.models.config import ModelConfig
-from marft_jax.models.lora import LoraConfig
+from marft_jax.config import LoraConfig
 from marft_jax.models.peft_io import import_peft
-from marft_jax.rl.state import OptimConfig, init_train_state
+from marft_jax.config import OptimConfig
+from marft_jax.rl.state import init_train_state
 from marft_jax.train import checkpoint as ck
 from marft_jax.train.checkpoint import (CheckpointCorruptError, CheckpointManager,
                                         CheckpointMismatchError, CheckpointSaveError, export_adapters)

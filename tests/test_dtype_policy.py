@@ -9,7 +9,8 @@ import numpy as np
 
 from marft_jax.models import decoder, logprobs
 from marft_jax.models.config import ModelConfig
-from marft_jax.models.lora import LoraConfig, init_lora
+from marft_jax.config import LoraConfig
+from marft_jax.models.lora import init_lora
 
 # Per-token KL(f32 || bf16) bound on the tiny random model (measured 4.0e-5 mean, 8.7e-5 max).
 TINY_KL_MEAN, TINY_KL_MAX = 5e-4, 2e-3

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from marft_jax.envs.task import Problem, Score
-from marft_jax.sampling.sampler import SamplingConfig
+from marft_jax.config import RolloutConfig
 from marft_jax.train.evaluate import evaluate
 
 ROLES = ("planner", "solver")
@@ -17,9 +17,8 @@ class FakeLearner:
     ``final[b]``; every agent's own output is graded ``agent_reward[role]``."""
 
     def __init__(self, threshold: float):
-        self.sampling = SamplingConfig()
         self.team = types.SimpleNamespace(roles=ROLES)
-        self.rollout_cfg = types.SimpleNamespace(success_threshold=threshold)
+        self.rollout_cfg = RolloutConfig(success_threshold=threshold)
         self.last = np.array([0, 1, 1])
         self.final = np.array([0.5, 0.8, 1.0], np.float32)
         self.agent_reward = {"planner": 0.6, "solver": 0.9}

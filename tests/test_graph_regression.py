@@ -37,11 +37,11 @@ import numpy as np
 import pytest
 
 from marft_jax.models import decoder
+from marft_jax.config import AlgoConfig, LoraConfig, OptimConfig, PPOConfig
 from marft_jax.models.config import ModelConfig
-from marft_jax.models.lora import LoraConfig
 from marft_jax.rl import backups, native
 from marft_jax.rl import topology as topo
-from marft_jax.rl.state import OptimConfig, init_train_state
+from marft_jax.rl.state import init_train_state
 from marft_jax.rl.update import UpdateBatch, UpdateConfig, ppo_update
 from marft_jax.train.prepare import AdvantageConfig, _advantages
 
@@ -117,7 +117,7 @@ def _backup(level: str, acfg: AdvantageConfig):
 
 
 def _backup_configs(level: str) -> dict[str, AdvantageConfig]:
-    common = dict(level=level, gamma=0.9, lam=0.8, reward_bias=-0.25, reward_scale=2.0)
+    common = dict(algo=AlgoConfig(level=level, gamma=0.9, lam=0.8, reward_bias=-0.25, reward_scale=2.0))
     return {
         "sequential": AdvantageConfig(**common),
         "chain": AdvantageConfig(**common, topology=topo.named("chain", ROLES)),
@@ -204,7 +204,7 @@ def _update(level: str, acfg: AdvantageConfig):
                         act_valid=jnp.asarray(act_valid), logp_old=jnp.asarray(logp_old), adv=jnp.asarray(adv),
                         ret=jnp.asarray(ret), v_old=jnp.asarray(value), dp_mask=jnp.asarray(dp),
                         feats=jnp.asarray(feats), word_count=jnp.asarray(act_valid.sum(-1).astype(np.int32)))
-    ucfg = UpdateConfig(level=level, optim=optim, num_minibatches=2, kl_stop=None)
+    ucfg = UpdateConfig(algo=AlgoConfig(level=level), optim=optim, ppo=PPOConfig(num_minibatches=2, kl_stop=None))
     state, metrics = ppo_update(base, state, batch, jnp.ones(N, bool), jnp.asarray(True), cfg=CFG, ucfg=ucfg)
     state = dataclasses.replace(state, rng=jax.random.key_data(state.rng))
     return jax.tree.map(np.asarray, state), jax.tree.map(np.asarray, metrics)
@@ -301,7 +301,7 @@ def _train(model_dir, out_dir, name: str, overrides: dict, *, legacy: bool):
     chained recurrence without a link table). Returns (final state, per-iteration metrics) on
     the host, without timings and performance counters."""
     from marft_jax.config import load_config
-    from marft_jax.train.build import build_run, lora_config, optim_config
+    from marft_jax.train.build import build_run
     from marft_jax.train.trainer import ProblemStream
     from tests.tiny_run import tiny_overrides
 
@@ -318,8 +318,8 @@ def _train(model_dir, out_dir, name: str, overrides: dict, *, legacy: bool):
             learner.adv_cfg = dataclasses.replace(learner.adv_cfg, topology=None)
         else:
             assert learner.team.topology is not None and learner.adv_cfg.topology is not None
-        state = init_train_state(jax.random.key(cfg.train.seed), run.model.cfg, lora_config(cfg),
-                                 cfg.team.num_agents, optim_config(cfg, 2))
+        state = init_train_state(jax.random.key(cfg.train.seed), run.model.cfg, cfg.lora,
+                                 cfg.team.num_agents, cfg.optim)
         stream, env, seen = ProblemStream(run.task, cfg.train.seed), 0, []
         for it in range(2):
             state, m, _ = learner.iteration(state, stream.take(cfg.rollout.rows), iteration=it, env_samples=env,

@@ -35,12 +35,12 @@ import jax
 import numpy as np
 import pytest
 
+from marft_jax.config import AlgoConfig, LoraConfig, OptimConfig, PPOConfig, RolloutConfig
 from marft_jax.models import decoder
-from marft_jax.models.lora import LoraConfig
-from marft_jax.rl.rollout import RolloutConfig, Team
-from marft_jax.rl.state import OptimConfig, init_train_state
+from marft_jax.rl.rollout import Team
+from marft_jax.rl.state import init_train_state
 from marft_jax.rl.update import UpdateConfig
-from marft_jax.sampling.sampler import Sampler, SamplingConfig
+from marft_jax.sampling.sampler import Sampler
 from marft_jax.train.iteration import TeamLearner
 from marft_jax.train.prepare import AdvantageConfig
 from tests.toy_relay import RelayTask, ToyChatTokenizer, model_config, pretrain_base
@@ -70,15 +70,16 @@ def run_relay(level: str, mode: str, seed: int = SEED, iters: int = ITERS) -> li
     state = init_train_state(jax.random.key(seed + 1), cfg, lora_cfg, 2, optim)
     task = RelayTask(VALUES)
     team = Team(roles=("a", "b"), system_prompts=("s", "s"), answer_agent=1)
+    algo = AlgoConfig(level=level, gamma=1.0, lam=1.0)
     learner = TeamLearner(
         cfg=cfg, base=base, tokenizer=tok,
         sampler=Sampler(cfg, pad_id=tok.pad_id, stop_ids=tok.stop_ids),
         team=team, score_fn=lambda ts: [task.score(t) for t in ts],
         rollout_cfg=RolloutConfig(mode=mode, max_new_tokens=K, context_window=64),
-        sampling=SamplingConfig(max_new_tokens=K, temperature=1.0),
-        update_cfg=UpdateConfig(level=level, optim=optim, epochs=EPOCHS, num_minibatches=MINIBATCHES,
-                                kl_stop=KL_STOP, ent_coef=0.0, max_grad_norm=1.0, clip_eps=CLIP),
-        adv_cfg=AdvantageConfig(level=level, gamma=1.0, lam=1.0, independent=(mode == "parallel")),
+        update_cfg=UpdateConfig(algo=algo, optim=optim,
+                                ppo=PPOConfig(epochs=EPOCHS, num_minibatches=MINIBATCHES, kl_stop=KL_STOP,
+                                              ent_coef=0.0, max_grad_norm=1.0, clip_eps=CLIP)),
+        adv_cfg=AdvantageConfig(algo=algo, independent=(mode == "parallel")),
     )
     problems = task.problems("train", seed)
     key = jax.random.key(seed + 2)

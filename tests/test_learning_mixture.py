@@ -69,13 +69,13 @@ import jax
 import numpy as np
 import pytest
 
+from marft_jax.config import AlgoConfig, LoraConfig, OptimConfig, PPOConfig, RolloutConfig
 from marft_jax.models import decoder
-from marft_jax.models.lora import LoraConfig
 from marft_jax.rl import topology as topo
-from marft_jax.rl.rollout import RolloutConfig, Team
-from marft_jax.rl.state import OptimConfig, init_train_state
+from marft_jax.rl.rollout import Team
+from marft_jax.rl.state import init_train_state
 from marft_jax.rl.update import UpdateConfig
-from marft_jax.sampling.sampler import Sampler, SamplingConfig
+from marft_jax.sampling.sampler import Sampler
 from marft_jax.train.iteration import TeamLearner
 from marft_jax.train.prepare import AdvantageConfig
 from tests.toy_mixture import ROLES, MixtureTask, pretrain_mixture_base
@@ -108,15 +108,16 @@ def run_mixture(graph: str, seed: int = SEED, iters: int = ITERS) -> tuple[list[
     task = MixtureTask(VALUES, partial_credit=True)
     team = Team(roles=ROLES, system_prompts=("s",) * len(ROLES), answer_agent=len(ROLES) - 1,
                 topology=topo.named(graph, ROLES))
+    algo = AlgoConfig(level=LEVEL, gamma=1.0, lam=1.0)
     learner = TeamLearner(
         cfg=cfg, base=pretrained_base(seed), tokenizer=tok,
         sampler=Sampler(cfg, pad_id=tok.pad_id, stop_ids=tok.stop_ids),
         team=team, score_fn=lambda ts: [task.score(t) for t in ts],
         rollout_cfg=RolloutConfig(max_new_tokens=K, context_window=64),
-        sampling=SamplingConfig(max_new_tokens=K, temperature=1.0),
-        update_cfg=UpdateConfig(level=LEVEL, optim=optim, epochs=EPOCHS, num_minibatches=MINIBATCHES,
-                                kl_stop=KL_STOP, ent_coef=0.0, max_grad_norm=1.0, clip_eps=CLIP),
-        adv_cfg=AdvantageConfig(level=LEVEL, gamma=1.0, lam=1.0, independent=(graph == "independent")),
+        update_cfg=UpdateConfig(algo=algo, optim=optim,
+                                ppo=PPOConfig(epochs=EPOCHS, num_minibatches=MINIBATCHES, kl_stop=KL_STOP,
+                                              ent_coef=0.0, max_grad_norm=1.0, clip_eps=CLIP)),
+        adv_cfg=AdvantageConfig(algo=algo, independent=(graph == "independent")),
     )
     problems = task.problems("train", seed)
     key = jax.random.key(seed + 2)

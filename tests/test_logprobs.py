@@ -9,7 +9,8 @@ import pytest
 
 from marft_jax.models import decoder, logprobs
 from marft_jax.models.config import ModelConfig
-from marft_jax.models.lora import LoraConfig, init_lora
+from marft_jax.config import LoraConfig
+from marft_jax.models.lora import init_lora
 
 
 def _cfg():

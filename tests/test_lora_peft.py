@@ -18,7 +18,8 @@ torch = pytest.importorskip("torch")
 peft = pytest.importorskip("peft")
 
 from marft_jax.models import decoder, peft_io  # noqa: E402
-from marft_jax.models.lora import TARGETS, LoraConfig, LoraStack, init_lora  # noqa: E402
+from marft_jax.config import LoraConfig  # noqa: E402
+from marft_jax.models.lora import TARGETS, LoraStack, init_lora  # noqa: E402
 from tests import hf_tiny  # noqa: E402
 
 TOL = 1e-4

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 from marft_jax.models import decoder
+from marft_jax.config import AlgoConfig, LoraConfig, OptimConfig, PPOConfig
 from marft_jax.models.config import ModelConfig
-from marft_jax.models.lora import LoraConfig
-from marft_jax.rl.state import OptimConfig, init_train_state
+from marft_jax.rl.state import init_train_state
 from marft_jax.rl.update import UpdateBatch, UpdateConfig, ppo_update
 from marft_jax.train import memory_plan as mp
 from marft_jax.train.compile_count import CompileCounter
@@ -66,7 +66,7 @@ FLAGS = (jax.ShapeDtypeStruct((N,), jnp.bool_), jax.ShapeDtypeStruct((), jnp.boo
 def _update_plan(t: int, remat: bool, cfg: ModelConfig = CFG) -> dict[str, int]:
     base, state = _abstract_model(cfg)
     compiled, plan = mp.plan_of(ppo_update, base, state, _batch(t), *FLAGS, cfg=cfg,
-                                ucfg=UpdateConfig(level="token", remat=remat))
+                                ucfg=UpdateConfig(algo=AlgoConfig(level="token"), remat=remat))
     breakdown = mp.memory_breakdown(compiled)
     assert plan == (breakdown["argument"] + breakdown["output"] - breakdown["alias"] + breakdown["temp"]
                     + breakdown["generated_code"])
@@ -108,7 +108,7 @@ def test_plan_of_real_arrays_compiles_once_and_donates_nothing():
     state = init_train_state(jax.random.key(1), CFG, LoraConfig(rank=4), N, OptimConfig())
     batch = _batch(32, concrete=True)
     mask, train_policy = jnp.ones((N,), bool), jnp.asarray(True)
-    ucfg = UpdateConfig(level="token", remat=True, kl_stop=None)
+    ucfg = UpdateConfig(algo=AlgoConfig(level="token"), ppo=PPOConfig(kl_stop=None), remat=True)
     with CompileCounter.counting() as planning:
         _, plan = mp.plan_of(ppo_update, base, state, batch, mask, train_policy, cfg=CFG, ucfg=ucfg)
     assert not any(x.is_deleted() for x in jax.tree.leaves(state))       # lowering donated nothing

@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from marft_jax.models import decoder, logprobs
+from marft_jax.config import AlgoConfig, LoraConfig, OptimConfig, PPOConfig
 from marft_jax.models.config import ModelConfig
-from marft_jax.models.lora import LoraConfig, init_lora
+from marft_jax.models.lora import init_lora
 from marft_jax.rl import packing
-from marft_jax.rl.state import OptimConfig, init_train_state
+from marft_jax.rl.state import init_train_state
 from marft_jax.rl.update import UpdateBatch, UpdateConfig, ppo_update
 
 CFG = ModelConfig(arch="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -162,8 +163,8 @@ def _update_setup(level, seed=0, S=2, B=4, N=2, L=10, K=5):
                                             ("action", ((4, 64), (2, 96)), 80)])
 def test_packed_update_equals_padded(level, classes, L):
     base, state, batch, optim = _update_setup(level, L=L)
-    ucfg = UpdateConfig(level=level, optim=optim, kl_stop=None, ent_coef=0.01, epochs=2, num_minibatches=2,
-                        micro_batches=2)
+    ucfg = UpdateConfig(algo=AlgoConfig(level=level), optim=optim,
+                        ppo=PPOConfig(kl_stop=None, ent_coef=0.01, epochs=2, num_minibatches=2, micro_batches=2))
     mask, flag = jnp.ones((2,), bool), jnp.asarray(True)
     copy = lambda t: jax.tree.map(jnp.copy, t)
     ref_state, ref_met = ppo_update(base, copy(state), batch, mask, flag, cfg=CFG, ucfg=ucfg)

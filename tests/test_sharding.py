@@ -13,7 +13,8 @@ SCRIPT = textwrap.dedent("""
     jax.config.update("jax_default_matmul_precision", "highest")
     from marft_jax.models import decoder, sharding
     from marft_jax.models.config import ModelConfig
-    from marft_jax.models.lora import LoraConfig, init_lora
+    from marft_jax.config import LoraConfig
+    from marft_jax.models.lora import init_lora
     assert len(jax.devices()) == 8, jax.devices()
     cfg = ModelConfig(arch="qwen2", vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=16, qkv_bias=True)

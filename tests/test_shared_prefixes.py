@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from marft_jax.config import AlgoConfig, PPOConfig
 from marft_jax.models import decoder, logprobs
 from marft_jax.rl import packing
 from marft_jax.rl.update import UpdateConfig, ppo_update
@@ -76,7 +77,8 @@ def test_update_with_shared_prefixes_equals_the_unshared_one(level):
     batch = batch.replace(ctx_tokens=None, ctx_valid=None, act_tokens=jnp.asarray(act), act_valid=jnp.asarray(av),
                           dp_mask=jnp.asarray(dp), adv=jnp.asarray(np.where(dp, rng.normal(size=dp.shape), 0), jnp.float32),
                           logp_old=jnp.asarray(np.where(av, -3.0, 0.0), jnp.float32))
-    ucfg = UpdateConfig(level=level, optim=optim, kl_stop=None, ent_coef=0.01, epochs=1, num_minibatches=1)
+    ucfg = UpdateConfig(algo=AlgoConfig(level=level), optim=optim,
+                        ppo=PPOConfig(kl_stop=None, ent_coef=0.01, epochs=1, num_minibatches=1))
     mask, flag = jnp.ones((2,), bool), jnp.asarray(True)
     perms = packing.minibatch_perms(state.rng, 4, 1, 1)
     out = {}

@@ -11,10 +11,11 @@ import jax
 import numpy as np
 import pytest
 
+from marft_jax.config import AlgoConfig, RolloutConfig
 from marft_jax.envs.profiles import load_profiles
 from marft_jax.envs.task import Problem, Score
 from marft_jax.rl import topology as topo
-from marft_jax.rl.rollout import Generation, RolloutConfig, Team, rollout
+from marft_jax.rl.rollout import Generation, Team, rollout
 
 
 class CharTokenizer:
@@ -209,7 +210,7 @@ def test_layer_links_keep_each_agents_own_critic_context_and_give_the_backup_the
     arrays = [jnp.asarray(x) for x in (t.act_valid, t.step_mask, t.score, t.agent_score, t.terminal, t.truncated)]
     out = {}
     for links in ("chain", "layer"):
-        acfg = AdvantageConfig(level="token", gamma=0.9, lam=0.8, reward_bias=1.0, topology=graph,
+        acfg = AdvantageConfig(algo=AlgoConfig(level="token", gamma=0.9, lam=0.8, reward_bias=1.0), topology=graph,
                                layer_links=links)
         out[links] = _advantages(value, arrays[0], *arrays[1:], v_boot, acfg=acfg)
     table = graph.links(S, "layer")

@@ -132,13 +132,13 @@ def test_per_agent_token_budgets_reach_the_rollout(tiny_dir, tmp_path):
     import numpy as np
 
     from marft_jax.rl.state import init_train_state
-    from marft_jax.train.build import build_run, lora_config, optim_config
+    from marft_jax.train.build import build_run
 
     cfg = load_config("demo", tiny_overrides(tiny_dir, tmp_path, "budgets", **{
         "rollout.max_new_tokens": 8, "rollout.agent_max_new_tokens": "[8,3]", "rollout.temperature": 1.0}))
     run = build_run(cfg)
     try:
-        state = init_train_state(jax.random.key(0), run.model.cfg, lora_config(cfg), 2, optim_config(cfg, 1))
+        state = init_train_state(jax.random.key(0), run.model.cfg, cfg.lora, 2, cfg.optim)
         probs = list(itertools.islice(run.task.problems("train", 0), 8))
         traj, _ = run.learner.play(state, probs, jax.random.key(0))
     finally:
@@ -152,14 +152,14 @@ def test_no_compiles_after_the_first_horizon_cycle(tiny_dir, tmp_path):
     import jax
 
     from marft_jax.rl.state import init_train_state
-    from marft_jax.train.build import build_run, lora_config, optim_config
+    from marft_jax.train.build import build_run
     from marft_jax.train.trainer import ProblemStream
 
     cfg = load_config("demo", tiny_overrides(tiny_dir, tmp_path, "compiles", **{
         "rollout.horizon": 2, "rollout.rows": 4, "ppo.num_minibatches": 2, "rollout.temperature": 1.0}))
     run = build_run(cfg)
     try:
-        state = init_train_state(jax.random.key(0), run.model.cfg, lora_config(cfg), 2, optim_config(cfg, 8))
+        state = init_train_state(jax.random.key(0), run.model.cfg, cfg.lora, 2, cfg.optim)
         stream, env, seen = ProblemStream(run.task, 0), 0, []
         for it in range(4):
             state, m, _ = run.learner.iteration(state, stream.take(4), iteration=it, env_samples=env,

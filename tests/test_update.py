@@ -11,11 +11,11 @@ import optax
 import pytest
 
 from marft_jax.models import decoder, logprobs
+from marft_jax.config import AlgoConfig, LoraConfig, OptimConfig, PPOConfig
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.critic import value_head
-from marft_jax.models.lora import LoraConfig
 from marft_jax.rl import losses
-from marft_jax.rl.state import OptimConfig, init_train_state, policy_optimizer
+from marft_jax.rl.state import init_train_state, policy_optimizer
 from marft_jax.rl.update import UpdateBatch, UpdateConfig, critic_update, ppo_update, update_agents
 
 CFG = ModelConfig(arch="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -48,8 +48,13 @@ def _setup(level="action", seed=0):
                         act_valid=jnp.asarray(act_valid), logp_old=jnp.asarray(logp_old), adv=jnp.asarray(adv),
                         ret=jnp.asarray(ret), v_old=jnp.zeros(dp.shape), dp_mask=jnp.asarray(dp),
                         feats=jnp.asarray(feats), word_count=jnp.asarray(lens.astype(np.int32)))
-    ucfg = UpdateConfig(level=level, optim=optim, kl_stop=None, adv_norm="none", ent_coef=0.01)
+    ucfg = UpdateConfig(algo=AlgoConfig(level=level), optim=optim,
+                        ppo=PPOConfig(kl_stop=None, adv_norm="none", ent_coef=0.01))
     return base, state, batch, ucfg
+
+
+def _with_ppo(ucfg: UpdateConfig, **changes) -> UpdateConfig:
+    return dataclasses.replace(ucfg, ppo=dataclasses.replace(ucfg.ppo, **changes))
 
 
 def _oracle_agent_step(base, lora, opt, a, batch, ucfg, happo):
@@ -62,17 +67,17 @@ def _oracle_agent_step(base, lora, opt, a, batch, ucfg, happo):
     def loss(l1):
         lp, ent = logprobs.action_logprobs(base, l1, 0, d["ctx_tokens"], d["ctx_valid"], d["act_tokens"],
                                            d["act_valid"], 1.0, cfg=CFG)
-        if ucfg.level == "token":
+        if ucfg.algo.level == "token":
             s = losses.tppo_policy_loss(lp, d["logp_old"], d["dp_mask"], d["adv"] * happo[:, None],
-                                        entropy=ent, ent_coef=ucfg.ent_coef)
+                                        entropy=ent, ent_coef=ucfg.ppo.ent_coef)
         else:
             s = losses.appo_policy_loss(lp, d["logp_old"], d["act_valid"], d["adv"] * happo,
-                                        entropy=ent, ent_coef=ucfg.ent_coef, action_mask=d["dp_mask"])
+                                        entropy=ent, ent_coef=ucfg.ppo.ent_coef, action_mask=d["dp_mask"])
         return s.loss / jnp.maximum(s.count, 1)
 
     g = jax.grad(loss)(one)
     norm = optax.tree.norm(g)
-    g = jax.tree.map(lambda x: x * jnp.minimum(1.0, ucfg.max_grad_norm / norm), g)
+    g = jax.tree.map(lambda x: x * jnp.minimum(1.0, ucfg.ppo.max_grad_norm / norm), g)
     opt_a = jax.tree.map(lambda x: x[a], opt)
     tx = policy_optimizer(ucfg.optim)  # optax.adamw(lr, eps 1e-5, wd 0) with a constant schedule
     upd, new_opt = tx.update(jax.tree.map(lambda x: x[0], g), opt_a, jax.tree.map(lambda x: x[0], one))
@@ -106,9 +111,9 @@ def test_sequential_scan_equals_python_loop_with_happo(level):
 
 def test_sequential_without_happo_equals_concurrent():
     base, state, batch, ucfg = _setup()
-    seq = update_agents(base, CFG, dataclasses.replace(ucfg, happo_weighting=False), state.lora,
+    seq = update_agents(base, CFG, _with_ppo(ucfg, happo_weighting=False), state.lora,
                         state.lora_opt, batch, jnp.ones(N, bool))
-    con = update_agents(base, CFG, dataclasses.replace(ucfg, agent_schedule="concurrent"), state.lora,
+    con = update_agents(base, CFG, _with_ppo(ucfg, agent_schedule="concurrent"), state.lora,
                         state.lora_opt, batch, jnp.ones(N, bool))
     _close(seq[:2], con[:2])
     # and HAPPO weighting does change agents after the first
@@ -118,7 +123,7 @@ def test_sequential_without_happo_equals_concurrent():
 
 def test_concurrent_equals_independent_per_agent_updates():
     base, state, batch, ucfg = _setup()
-    ucfg = dataclasses.replace(ucfg, agent_schedule="concurrent")
+    ucfg = _with_ppo(ucfg, agent_schedule="concurrent")
     lora, opt, _ = update_agents(base, CFG, ucfg, state.lora, state.lora_opt, batch, jnp.ones(N, bool))
     for a in range(N):
         o_lora, o_opt, _ = _oracle_agent_step(base, state.lora, state.lora_opt, a, batch, ucfg, jnp.ones(S * B))
@@ -127,7 +132,7 @@ def test_concurrent_equals_independent_per_agent_updates():
 
 def test_interval_changes_only_agent_k():
     base, state, batch, ucfg = _setup()
-    ucfg = dataclasses.replace(ucfg, agent_schedule="interval")
+    ucfg = _with_ppo(ucfg, agent_schedule="interval")
     k = 1
     mask = jnp.arange(N) == k
     lora, opt, met = update_agents(base, CFG, ucfg, state.lora, state.lora_opt, batch, mask)
@@ -144,7 +149,7 @@ def test_interval_changes_only_agent_k():
 def test_micro_batches_equal_full_batch():
     base, state, batch, ucfg = _setup("token")
     full = update_agents(base, CFG, ucfg, state.lora, state.lora_opt, batch, jnp.ones(N, bool))
-    micro = update_agents(base, CFG, dataclasses.replace(ucfg, micro_batches=2), state.lora,
+    micro = update_agents(base, CFG, _with_ppo(ucfg, micro_batches=2), state.lora,
                           state.lora_opt, batch, jnp.ones(N, bool))
     _close(full[:2], micro[:2])
     for k in ("pg_loss", "entropy", "approx_kl", "grad_norm"):
@@ -154,7 +159,7 @@ def test_micro_batches_equal_full_batch():
 def test_kl_early_stop_skips_update():
     base, state, batch, ucfg = _setup()
     batch = batch.replace(logp_old=batch.logp_old + 5.0 * batch.act_valid)  # far from the policy
-    ucfg = dataclasses.replace(ucfg, kl_stop=0.02)
+    ucfg = _with_ppo(ucfg, kl_stop=0.02)
     lora, opt, met = update_agents(base, CFG, ucfg, state.lora, state.lora_opt, batch, jnp.ones(N, bool))
     assert np.all(np.asarray(met["kl_skipped"]) == 1)
     _close((lora, opt), (state.lora, state.lora_opt), atol=0)
@@ -166,7 +171,7 @@ def test_critic_step_reduces_value_loss_and_ppo_update_runs():
     for _ in range(20):
         c, copt, m = critic_update(base, CFG, ucfg, c, copt, batch)
     assert float(m["value_loss"]) < float(m1["value_loss"])
-    ucfg = dataclasses.replace(ucfg, epochs=2, num_minibatches=2, adv_norm="minibatch", kl_stop=0.02)
+    ucfg = _with_ppo(ucfg, epochs=2, num_minibatches=2, adv_norm="minibatch", kl_stop=0.02)
     new_state, met = ppo_update(base, state, batch, jnp.ones(N, bool), jnp.asarray(True), cfg=CFG, ucfg=ucfg)
     assert int(new_state.step) == 1
     assert met["actor"]["pg_loss"].shape == (N,)

@@ -239,8 +239,8 @@ def ours_prepare_update_work(mcfg, traj, m: dict, adv_cfg, update_cfg) -> tuple[
     seq_mean = float((ctx_len + act_len).mean()) if ctx_len.size else 1.0
     head = 2.0 * mcfg.hidden_size * mcfg.vocab_size
     body = mcfg.flops_per_token(int(seq_mean) // 2) - head                # per token through the blocks
-    recompute = getattr(adv_cfg, "logp_old", "recompute") == "recompute"
-    epochs = update_cfg.epochs
+    recompute = adv_cfg.ppo.logp_old == "recompute"
+    epochs = update_cfg.ppo.epochs
     happo = (N - 1) / N if update_cfg.happo_weighting else 0.0
     remat = 0.0 if resolve_remat(update_cfg.remat, int(seq_mean)) == "none" else 1.0
     valid = int(ctx_len.sum() + act_len.sum())
@@ -264,7 +264,7 @@ def run_ours(args) -> dict:
 
     from marft_jax import profiling
     from marft_jax.bench.sampler import matmul_roofline_flops
-    from marft_jax.train.build import build_run, lora_config, optim_config
+    from marft_jax.train.build import build_run
     from marft_jax.rl.state import init_train_state
 
     wl, cfg = config_for(args)
@@ -290,8 +290,8 @@ def run_ours(args) -> dict:
 
         learner.play = capture_play
         n = cfg.team.num_agents
-        state = init_train_state(jax.random.key(cfg.train.seed), mcfg, lora_config(cfg), n,
-                                 optim_config(cfg, cfg.train.iterations), critic_lora=cfg.ppo.critic_lora)
+        state = init_train_state(jax.random.key(cfg.train.seed), mcfg, cfg.lora, n,
+                                 cfg.optim, critic_lora=cfg.ppo.critic_lora)
         problems = select_problems(run, wl, cfg.rollout.rows)
         key = jax.random.fold_in(jax.random.key(cfg.train.seed + 1), 0)
         roof = [matmul_roofline_flops(args.roofline_n)]
@@ -329,7 +329,7 @@ def run_ours(args) -> dict:
         "warmup_s": warmup_s, "compile_s": max(warmup_s[0] - wall, 0.0) if warmup_s else None,
         "backend_compile_s": {"warmup": warmup_compile_s, "measured": measured_compile},
         "sampler_calls": counter.work.calls, "shapes": {"S": S, "B": B, "N": N, "L": L, "K": K},
-        "logp_old": getattr(learner.adv_cfg, "logp_old", "recompute"),
+        "logp_old": learner.adv_cfg.ppo.logp_old,
         "pack_sequences": getattr(learner, "pack_sequences", False),
         "remat": learner.update_cfg.remat,
         "matmul_roofline_flops_per_s": roofline, "matmul_roofline_samples": roof,
@@ -352,12 +352,12 @@ def run_reference(args) -> dict:
     from marft_jax.bench.machine import torch_matmul_flops
     from marft_jax.bench.update import LORA
     from marft_jax.rl.rollout import rollout
-    from marft_jax.train.build import build_run, lora_config, optim_config
+    from marft_jax.train.build import build_run
     from marft_jax.rl.state import init_train_state
 
     torch.set_num_threads(args.torch_threads or os.cpu_count() or 1)
     wl, cfg = config_for(args)
-    lc = lora_config(cfg)
+    lc = cfg.lora
     if (lc.rank, lc.alpha, tuple(lc.targets)) != (LORA.rank, LORA.alpha, tuple(LORA.targets)):
         raise ValueError(f"the G1 baseline (bench/update.py) uses LoRA r{LORA.rank}/alpha {LORA.alpha} on "
                          f"{LORA.targets}; the run has r{lc.rank}/alpha {lc.alpha} on {lc.targets}")
@@ -365,8 +365,8 @@ def run_reference(args) -> dict:
     try:
         mcfg, tok, learner = run.model.cfg, run.tokenizer, run.learner
         n = cfg.team.num_agents
-        state = init_train_state(jax.random.key(cfg.train.seed), mcfg, lora_config(cfg), n,
-                                 optim_config(cfg, cfg.train.iterations), critic_lora=cfg.ppo.critic_lora)
+        state = init_train_state(jax.random.key(cfg.train.seed), mcfg, cfg.lora, n,
+                                 cfg.optim, critic_lora=cfg.ppo.critic_lora)
         lora0 = jax.tree.map(np.array, state.lora)                       # the same initial adapters as ours
         head0 = jax.tree.map(np.array, state.critic.head)
         rcfg = learner.rollout_cfg

@@ -69,17 +69,17 @@ def _measure(args) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
+    from marft_jax.config import AlgoConfig, LoraConfig, OptimConfig, PPOConfig
     from marft_jax.models import decoder
     from marft_jax.models.config import ModelConfig
     from marft_jax.models.critic import CriticParams
-    from marft_jax.models.lora import LoraConfig
     from marft_jax.rl import packing
     from marft_jax.rl.update import UpdateConfig, ppo_update
     from marft_jax.sampling import sampler as sampler_lib
     from marft_jax.train import prepare
     from marft_jax.train.iteration import TeamLearner
     from marft_jax.train.placement import Placement
-    from marft_jax.rl.state import OptimConfig, init_train_state
+    from marft_jax.rl.state import init_train_state
 
     if jax.device_count() != args.devices:
         raise SystemExit(f"expected {args.devices} devices, have {jax.device_count()}")
@@ -89,8 +89,9 @@ def _measure(args) -> dict:
     traj = _random_trajectory(np.random.default_rng(0), cfg.vocab_size, S=1, B=args.rows, N=args.agents,
                               L=args.ctx, K=args.act)
     level = "token" if args.token_level else "action"
-    ucfg = UpdateConfig(level=level, epochs=1, num_minibatches=1, micro_batches=1)
-    acfg = prepare.AdvantageConfig(level=level, gamma=1.0, lam=1.0, tokens_per_call=4096)
+    algo = AlgoConfig(level=level, gamma=1.0, lam=1.0)
+    ucfg = UpdateConfig(ppo=PPOConfig(epochs=1, num_minibatches=1, micro_batches=1), algo=algo)
+    acfg = prepare.AdvantageConfig(algo=algo, tokens_per_call=4096)
     from marft_jax.models import sharding
 
     meshes = {

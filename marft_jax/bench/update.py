@@ -63,12 +63,13 @@ import numpy as np
 
 from marft_jax.bench.machine import cpu_model, torch_matmul_flops
 from marft_jax.bench.sampler import matmul_roofline_flops
+from marft_jax.config import AlgoConfig, LoraConfig, OptimConfig, PPOConfig
 from marft_jax.models import decoder, logprobs as lp_lib
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.critic import critic_features, critic_features_fn, value_head
-from marft_jax.models.lora import LoraConfig, LoraStack
+from marft_jax.models.lora import LoraStack
 from marft_jax.rl.update import UpdateBatch, UpdateConfig, ppo_update
-from marft_jax.rl.state import OptimConfig, TrainState, init_train_state
+from marft_jax.rl.state import TrainState, init_train_state
 
 SMOLLM2_135M_SHAPE = dict(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
                           num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
@@ -402,9 +403,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     base = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     N, B, L, K = args.agents, args.batch, args.ctx, args.act
     optim = OptimConfig()
-    ucfg = UpdateConfig(level="action", agent_schedule="sequential", happo_weighting=not args.no_happo,
-                        epochs=1, num_minibatches=1, micro_batches=1, chunk=args.chunk,
-                        remat=args.remat, optim=optim)
+    ucfg = UpdateConfig(ppo=PPOConfig(agent_schedule="sequential", happo_weighting=not args.no_happo, epochs=1,
+                                      num_minibatches=1, micro_batches=1),
+                        algo=AlgoConfig(level="action"), optim=optim, chunk=args.chunk, remat=args.remat)
     state = init_train_state(jax.random.key(args.seed + 1), cfg, LORA, N, optim)
     batch = make_batch(cfg, B, N, L, K, args.seed, base, state)
     lora0 = jax.tree.map(np.array, state.lora)                             # copies: state is donated

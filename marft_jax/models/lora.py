@@ -12,40 +12,16 @@ The update is ``y = x W + scale · (x A) B`` with ``scale = alpha / rank`` (PEFT
 
 from __future__ import annotations
 
-import dataclasses
-
 import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
 
+from marft_jax.config import LoraConfig
 from marft_jax.models.config import ModelConfig
 
+# The projections an adapter can target (lora.targets names some of them).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-@dataclasses.dataclass(frozen=True)
-class LoraConfig:
-    """LoRA hyper-parameters (reference defaults: r 8, alpha 16, q_proj and v_proj)."""
-
-    rank: int = 8
-    alpha: float = 16.0
-    targets: tuple[str, ...] = ("q_proj", "v_proj")
-
-    def __post_init__(self) -> None:
-        if self.rank <= 0:
-            raise ValueError(f"lora.rank must be positive, got {self.rank}")
-        if self.alpha <= 0:
-            raise ValueError(f"lora.alpha must be positive, got {self.alpha}")
-        if not self.targets:
-            raise ValueError("lora.targets must name at least one module")
-        bad = [t for t in self.targets if t not in TARGETS]
-        if bad:
-            raise ValueError(f"lora.targets: unknown module(s) {bad}; choose from {list(TARGETS)}")
-
-    @property
-    def scale(self) -> float:
-        return float(self.alpha) / float(self.rank)
 
 
 @flax.struct.dataclass

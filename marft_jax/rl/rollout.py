@@ -19,6 +19,7 @@ from typing import Callable, NamedTuple, Sequence
 import jax
 import numpy as np
 
+from marft_jax.config import RolloutConfig
 from marft_jax.envs.chat import ChatTokenizer, StepRecord, build_messages, g1_raw_prompt
 from marft_jax.envs.task import Problem, Score, Transcript
 from marft_jax.rl import topology as topo
@@ -38,55 +39,13 @@ class Generation(NamedTuple):
     entropy: np.ndarray | None = None
 
 
+# The environment's message after an unsuccessful step.
+FEEDBACK = "The answer is incorrect."
+
 # (prompts, agent ids [n], max_new_tokens, key) -> Generation
 GenerateFn = Callable[[Sequence[Sequence[int]], np.ndarray, int, jax.Array], Generation]
 # transcripts -> scores (in order); the trainer passes a pooled scorer
 ScoreFn = Callable[[Sequence[Transcript]], Sequence[Score]]
-
-
-@dataclasses.dataclass(frozen=True)
-class RolloutConfig:
-    """How episodes are played.
-
-    Attributes:
-      mode: ``"sequential"`` (MARFT chain) or ``"parallel"`` (independent PPO).
-      horizon: H, steps per episode at most (the last one is terminal).
-      max_steps: step cap below H; an unfinished episode is *truncated* there (None = H).
-      max_new_tokens: per-agent token budget K_i (one int for all, or one per agent).
-      context_window: max context + response tokens; a budget shrinks to fit (counted).
-      success_threshold: a step whose score reaches it ends the episode.
-      feedback: the environment's message after an unsuccessful step.
-      prompt_format: ``"chat"`` (the tokenizer's chat template) or ``"g1_raw"`` (parity).
-      min_context_bucket: smallest context bucket (power-of-two buckets above it).
-    """
-
-    mode: str = "sequential"
-    horizon: int = 1
-    max_steps: int | None = None
-    max_new_tokens: int | tuple[int, ...] = 512
-    context_window: int = 2048
-    success_threshold: float = 1.0
-    feedback: str = "The answer is incorrect."
-    prompt_format: str = "chat"
-    min_context_bucket: int = 16
-
-    def __post_init__(self) -> None:
-        if self.mode not in ("sequential", "parallel"):
-            raise ValueError(f"rollout.mode must be 'sequential' or 'parallel', got {self.mode!r}")
-        if self.horizon < 1:
-            raise ValueError(f"rollout.horizon must be >= 1, got {self.horizon}")
-        if self.max_steps is not None and not 1 <= self.max_steps <= self.horizon:
-            raise ValueError(f"rollout.max_steps must be in [1, horizon={self.horizon}], got {self.max_steps}")
-        if self.prompt_format not in ("chat", "g1_raw"):
-            raise ValueError(f"rollout.prompt_format must be 'chat' or 'g1_raw', got {self.prompt_format!r}")
-
-    def budget(self, agent: int) -> int:
-        k = self.max_new_tokens
-        return int(k[agent] if isinstance(k, (tuple, list)) else k)
-
-    @property
-    def steps(self) -> int:
-        return self.max_steps or self.horizon
 
 
 @dataclasses.dataclass
@@ -148,8 +107,13 @@ def rollout(
     score: ScoreFn,
     cfg: RolloutConfig,
     key: jax.Array,
+    min_context_bucket: int = 16,
+    feedback: str = FEEDBACK,
 ) -> tuple[Trajectory, RolloutTexts]:
-    """Play one batch of episodes and return the trajectory (numpy arrays) and the texts."""
+    """Play one batch of episodes and return the trajectory (numpy arrays) and the texts.
+
+    ``min_context_bucket``: the smallest context bucket (power-of-two buckets above it);
+    ``feedback``: the environment's message after an unsuccessful step."""
     B, N, S = len(problems), team.num_agents, cfg.steps
     graph = team.graph(cfg.mode)
     if graph.num_agents != N:
@@ -242,7 +206,7 @@ def rollout(
         terminal[s, rows] = term
         truncated[s, rows] = trunc
         for j, b in enumerate(rows):
-            history[b].append(StepRecord(tuple(outputs[s][b]), None if term[j] else cfg.feedback))
+            history[b].append(StepRecord(tuple(outputs[s][b]), None if term[j] else feedback))
             if trunc[j]:
                 for i in (range(N) if graph.independent else [0]):
                     boot[(b, i)] = _context(team, problems[b], i, history[b], {}, cfg, tokenizer)
@@ -250,7 +214,7 @@ def rollout(
 
     L = length_bucket(max([len(p) for p in ctx.values()] + [len(p) for p in boot.values()]
                           + [len(p) for p in critic_ctx.values()] + [1]),
-                      minimum=cfg.min_context_bucket)
+                      minimum=min_context_bucket)
     pad = tokenizer.pad_id
     ctx_tokens = np.full((S, B, N, L), pad, np.int32)
     ctx_valid = np.zeros((S, B, N, L), bool)

@@ -7,51 +7,37 @@ agent-by-agent update can ``lax.scan`` over (adapter, optimizer state) pairs.
 
 from __future__ import annotations
 
-import dataclasses
-
 import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
 
+from marft_jax.config import LoraConfig, OptimConfig
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.critic import CriticParams, init_value_head
-from marft_jax.models.lora import LoraConfig, LoraStack, init_lora
+from marft_jax.models.lora import LoraStack, init_lora
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimConfig:
-    """Policy AdamW / critic Adam settings (reference §7 and §13)."""
-
-    policy_lr: float = 1e-6
-    critic_lr: float = 5e-5
-    eps: float = 1e-5
-    weight_decay: float = 0.0
-    schedule: str = "constant"
-    total_updates: int = 1
-    warmup_ratio: float = 0.0
-    min_lr_ratio: float = 0.05
-
-
-def _schedule(lr: float, cfg: OptimConfig):
-    """Constant, or linear warm-up then cosine decay to ``min_lr_ratio · lr``."""
+def _schedule(lr: float, cfg: OptimConfig, total_updates: int):
+    """Constant, or linear warm-up then cosine decay to ``min_lr_ratio · lr`` over ``total_updates``."""
     if cfg.schedule == "constant":
         return optax.constant_schedule(lr)
-    total = max(cfg.total_updates, 1)
+    total = max(total_updates, 1)
     warm = int(cfg.warmup_ratio * total)
     return optax.warmup_cosine_decay_schedule(init_value=0.0, peak_value=lr, warmup_steps=warm,
                                               decay_steps=max(total, warm + 1),
                                               end_value=lr * cfg.min_lr_ratio)
 
 
-def policy_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    """One agent's AdamW (gradient clipping happens before, per agent, in the update)."""
-    return optax.adamw(_schedule(cfg.policy_lr, cfg), b1=0.9, b2=0.999, eps=cfg.eps,
+def policy_optimizer(cfg: OptimConfig, total_updates: int = 1) -> optax.GradientTransformation:
+    """One agent's AdamW (gradient clipping happens before, per agent, in the update);
+    ``total_updates``: the run's optimizer steps, the length of the cosine schedule."""
+    return optax.adamw(_schedule(cfg.policy_lr, cfg, total_updates), b1=0.9, b2=0.999, eps=cfg.eps,
                        weight_decay=cfg.weight_decay)
 
 
-def critic_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
-    return optax.adam(_schedule(cfg.critic_lr, cfg), b1=0.9, b2=0.999, eps=cfg.eps)
+def critic_optimizer(cfg: OptimConfig, total_updates: int = 1) -> optax.GradientTransformation:
+    return optax.adam(_schedule(cfg.critic_lr, cfg, total_updates), b1=0.9, b2=0.999, eps=cfg.eps)
 
 
 @flax.struct.dataclass
@@ -70,6 +56,7 @@ class TrainState:
 
 def init_train_state(key: jax.Array, cfg: ModelConfig, lora_cfg: LoraConfig, num_agents: int,
                      optim: OptimConfig, critic_lora: bool = False) -> TrainState:
+    """A fresh state (the optimizer states do not depend on the schedule's length)."""
     k_lora, k_head, k_clora, k_rng = jax.random.split(key, 4)
     lora = init_lora(k_lora, cfg, lora_cfg, num_agents)
     lora_opt = jax.vmap(policy_optimizer(optim).init)(lora)

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from marft_jax.config import AlgoConfig, OptimConfig, PPOConfig, RolloutConfig
 from marft_jax.models import logprobs as lp_lib
 from marft_jax.models import sharding
 from marft_jax.models.config import ModelConfig
@@ -36,39 +37,37 @@ from marft_jax.models.critic import CriticParams, critic_features_fn, value_head
 from marft_jax.models.lora import LoraStack
 from marft_jax.rl import layout, losses
 from marft_jax.rl.packing import PackedRows, UpdatePlan
-from marft_jax.rl.state import OptimConfig, TrainState, critic_optimizer, policy_optimizer
+from marft_jax.rl.state import TrainState, critic_optimizer, policy_optimizer
 
 
 @dataclasses.dataclass(frozen=True)
 class UpdateConfig:
-    """Static hyper-parameters of the update (hashable: a jit static argument)."""
+    """What the update reads (hashable: a jit static argument): the run's ``ppo``, ``optim``,
+    ``algo`` (the decision level) and ``rollout`` (the training temperature, at which every
+    log-prob is taken) sections themselves, plus what the run derives from them."""
 
-    level: str = "action"
-    logprob_norm: str = "sum"
-    clip_eps: float = 0.2
-    value_clip_eps: float = 0.2
-    value_loss: str = "huber"
-    huber_delta: float = 10.0
-    ent_coef: float = 0.01
-    vf_coef: float = 1.0
-    adv_norm: str = "minibatch"
-    kl_stop: float | None = 0.02
-    max_grad_norm: float = 0.5
-    critic_max_grad_norm: float = 0.5
-    agent_schedule: str = "sequential"
-    happo_weighting: bool = True
-    happo_clip: float | None = 0.2
-    epochs: int = 1
-    num_minibatches: int = 1
-    micro_batches: int = 1
-    temperature: float = 1.0
+    ppo: PPOConfig = PPOConfig()
+    optim: OptimConfig = OptimConfig()
+    algo: AlgoConfig = AlgoConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    total_updates: int = 1              # optimizer steps of the run: the cosine schedule's length
     chunk: int = 128
     remat: bool | str | None = None     # decoder.REMAT_POLICIES name; None: auto (decoder.resolve_remat)
-    optim: OptimConfig = OptimConfig()
 
     @property
     def token_level(self) -> bool:
-        return self.level == "token"
+        return self.algo.token_level
+
+    @property
+    def agent_schedule(self) -> str:
+        """How the agents are updated: ``interval`` runs the sequential scan (``train_mask``
+        picks the agent that changes)."""
+        return "sequential" if self.ppo.agent_schedule == "interval" else self.ppo.agent_schedule
+
+    @property
+    def happo_weighting(self) -> bool:
+        """HAPPO's factor applies under ``ppo.agent_schedule=sequential`` only."""
+        return self.ppo.happo_weighting and self.ppo.agent_schedule == "sequential"
 
 
 @flax.struct.dataclass
@@ -116,11 +115,11 @@ def _policy_logprobs(base, lora_m: LoraStack, cfg: ModelConfig, ucfg: UpdateConf
     if "packed" in d:
         return lp_lib.packed_action_logprobs_fn(
             base, lora_m, agent, d["packed"], d["gather"], d["act_tokens"], d["act_valid"],
-            ucfg.temperature, cfg=cfg, chunk=ucfg.chunk, remat=remat)
+            ucfg.rollout.temperature, cfg=cfg, chunk=ucfg.chunk, remat=remat)
     remat = resolve_remat(remat, d["ctx_tokens"].shape[-1] + d["act_tokens"].shape[-1])
     return lp_lib.action_logprobs_fn(
         base, lora_m, agent, d["ctx_tokens"], d["ctx_valid"], d["act_tokens"], d["act_valid"],
-        ucfg.temperature, cfg=cfg, chunk=ucfg.chunk, remat=remat)
+        ucfg.rollout.temperature, cfg=cfg, chunk=ucfg.chunk, remat=remat)
 
 
 def _agent_loss_sums(lora_m: LoraStack, base, cfg: ModelConfig, ucfg: UpdateConfig, d: dict,
@@ -129,10 +128,10 @@ def _agent_loss_sums(lora_m: LoraStack, base, cfg: ModelConfig, ucfg: UpdateConf
     logp, ent = _policy_logprobs(base, lora_m, cfg, ucfg, d, ucfg.remat)
     if ucfg.token_level:
         return losses.tppo_policy_loss(logp, d["logp_old"], d["dp_mask"], d["adv"] * happo[:, None],
-                                       clip_eps=ucfg.clip_eps, entropy=ent, ent_coef=ucfg.ent_coef)
+                                       clip_eps=ucfg.ppo.clip_eps, entropy=ent, ent_coef=ucfg.ppo.ent_coef)
     return losses.appo_policy_loss(logp, d["logp_old"], d["act_valid"], d["adv"] * happo,
-                                   clip_eps=ucfg.clip_eps, norm=ucfg.logprob_norm,
-                                   word_count=d["word_count"], entropy=ent, ent_coef=ucfg.ent_coef,
+                                   clip_eps=ucfg.ppo.clip_eps, norm=ucfg.ppo.logprob_norm,
+                                   word_count=d["word_count"], entropy=ent, ent_coef=ucfg.ppo.ent_coef,
                                    action_mask=d["dp_mask"])
 
 
@@ -145,7 +144,7 @@ def _agent_update(base, cfg, ucfg, lora_a, opt_a, d, happo, train_flag):
     """
     lora_m = _with_agent_axis(lora_a)  # the decoder selects agent 0 of a one-agent stack
     total = jnp.maximum(jnp.sum(d["dp_mask"]), 1).astype(jnp.float32)
-    m = ucfg.micro_batches
+    m = ucfg.ppo.micro_batches
     mb = jax.tree.map(lambda x: _micro(x, m), d)
     hb = _micro(happo, m)
 
@@ -161,12 +160,12 @@ def _agent_update(base, cfg, ucfg, lora_a, opt_a, d, happo, train_flag):
     zero = jax.eval_shape(lambda: _agent_loss_sums(lora_m, base, cfg, ucfg, jax.tree.map(lambda x: x[0], mb), hb[0]))
     zero = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), zero)
     (grads, sums), _ = jax.lax.scan(acc, (jax.tree.map(jnp.zeros_like, lora_m), zero), (mb, hb))
-    grads, grad_norm = losses.clip_by_global_norm(_without_agent_axis(grads), ucfg.max_grad_norm)
-    updates, new_opt = policy_optimizer(ucfg.optim).update(grads, opt_a, lora_a)
+    grads, grad_norm = losses.clip_by_global_norm(_without_agent_axis(grads), ucfg.ppo.max_grad_norm)
+    updates, new_opt = policy_optimizer(ucfg.optim, ucfg.total_updates).update(grads, opt_a, lora_a)
     new_lora = optax.apply_updates(lora_a, updates)
     _, met = losses.finalize(sums)
     (new_lora, new_opt), skipped = losses.kl_early_stop_select(
-        met["approx_kl"], ucfg.kl_stop, (new_lora, new_opt), (lora_a, opt_a))
+        met["approx_kl"], ucfg.ppo.kl_stop, (new_lora, new_opt), (lora_a, opt_a))
     apply = jnp.logical_and(train_flag, ~skipped)
     new_lora = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new_lora, lora_a)
     new_opt = jax.tree.map(lambda n, o: jnp.where(apply, n, o), new_opt, opt_a)
@@ -178,18 +177,18 @@ def _agent_update(base, cfg, ucfg, lora_a, opt_a, d, happo, train_flag):
 @jax.named_scope("update/happo_factor")
 def _happo_factor(base, cfg, ucfg, lora_m, d):
     """``exp(ℓ_after − ℓ_old)`` per row, clipped to ``1 ± happo_clip`` (1 where invalid). [R]."""
-    m = ucfg.micro_batches
+    m = ucfg.ppo.micro_batches
 
     def one(dm):
         logp, _ = _policy_logprobs(base, lora_m, cfg, ucfg, dm, False)
-        norm = dict(norm=ucfg.logprob_norm, word_count=dm["word_count"])
+        norm = dict(norm=ucfg.ppo.logprob_norm, word_count=dm["word_count"])
         return (losses.action_logprob(logp, dm["act_valid"], **norm)
                 - losses.action_logprob(dm["logp_old"], dm["act_valid"], **norm))
 
     diff = jax.lax.map(one, jax.tree.map(lambda x: _micro(x, m), d)).reshape(-1)
     ratio = jnp.exp(diff)
-    if ucfg.happo_clip is not None:
-        ratio = jnp.clip(ratio, 1.0 - ucfg.happo_clip, 1.0 + ucfg.happo_clip)
+    if ucfg.ppo.happo_clip is not None:
+        ratio = jnp.clip(ratio, 1.0 - ucfg.ppo.happo_clip, 1.0 + ucfg.ppo.happo_clip)
     valid = d["act_valid"].any(-1)
     return jax.lax.stop_gradient(jnp.where(valid, ratio, 1.0))
 
@@ -259,13 +258,13 @@ def critic_values(critic: CriticParams, base, cfg: ModelConfig, ucfg: UpdateConf
 def critic_update(base, cfg, ucfg, critic: CriticParams, critic_opt, mb: UpdateBatch):
     def objective(c):
         v = critic_values(c, base, cfg, ucfg, mb)
-        s = losses.value_loss(v, mb.v_old, mb.ret, mb.dp_mask, clip_eps=ucfg.value_clip_eps,
-                              kind=ucfg.value_loss, huber_delta=ucfg.huber_delta, coef=ucfg.vf_coef)
+        s = losses.value_loss(v, mb.v_old, mb.ret, mb.dp_mask, clip_eps=ucfg.ppo.value_clip_eps,
+                              kind=ucfg.ppo.value_loss, huber_delta=ucfg.ppo.huber_delta, coef=ucfg.ppo.vf_coef)
         return losses.finalize(s)
 
     (loss, met), grads = jax.value_and_grad(objective, has_aux=True)(critic)
-    grads, grad_norm = losses.clip_by_global_norm(grads, ucfg.critic_max_grad_norm)
-    updates, new_opt = critic_optimizer(ucfg.optim).update(grads, critic_opt, critic)
+    grads, grad_norm = losses.clip_by_global_norm(grads, ucfg.ppo.critic_max_grad_norm)
+    updates, new_opt = critic_optimizer(ucfg.optim, ucfg.total_updates).update(grads, critic_opt, critic)
     return optax.apply_updates(critic, updates), new_opt, {"value_loss": met["value_loss"],
                                                             "value_clip_frac": met["clip_frac"],
                                                             "grad_norm": grad_norm}
@@ -298,15 +297,15 @@ def ppo_update(base, state: TrainState, batch: UpdateBatch, train_mask: jax.Arra
     """
     chex.assert_rank(train_mask, 1)
     B = batch.act_tokens.shape[layout.BATCH_AXIS]
-    nmb = ucfg.num_minibatches
-    if ucfg.adv_norm == "batch":
+    nmb = ucfg.ppo.num_minibatches
+    if ucfg.ppo.adv_norm == "batch":
         batch = batch.replace(adv=losses.normalize_advantages(batch.adv, batch.dp_mask, mode="batch"))
     flags = jnp.logical_and(train_mask, train_policy)
 
     def minibatch(state: TrainState, xs):
         idx, packed = xs
         mb = _take_rows(batch, idx)
-        if ucfg.adv_norm == "minibatch":
+        if ucfg.ppo.adv_norm == "minibatch":
             mb = mb.replace(adv=losses.normalize_advantages(mb.adv, mb.dp_mask, mode="minibatch"))
         critic, critic_opt, cmet = critic_update(base, cfg, ucfg, state.critic, state.critic_opt, mb)
         lora, lora_opt, amet = update_agents(base, cfg, ucfg, state.lora, state.lora_opt, mb, flags, packed)
@@ -318,10 +317,10 @@ def ppo_update(base, state: TrainState, batch: UpdateBatch, train_mask: jax.Arra
 
     rng, key = jax.random.split(state.rng)
     if plan is None:
-        perms = jax.vmap(lambda k: jax.random.permutation(k, B))(jax.random.split(key, ucfg.epochs))
-        xs = (perms.reshape(ucfg.epochs, nmb, B // nmb), None)
+        perms = jax.vmap(lambda k: jax.random.permutation(k, B))(jax.random.split(key, ucfg.ppo.epochs))
+        xs = (perms.reshape(ucfg.ppo.epochs, nmb, B // nmb), None)
     else:
-        chex.assert_shape(plan.perms, (ucfg.epochs, nmb, B // nmb))
+        chex.assert_shape(plan.perms, (ucfg.ppo.epochs, nmb, B // nmb))
         xs = (plan.perms, (plan.rows, plan.gather))
     state, metrics = jax.lax.scan(epoch, state, xs)
     metrics = jax.tree.map(lambda x: jnp.mean(x.reshape((-1,) + x.shape[2:]), axis=0), metrics)

@@ -18,13 +18,11 @@ from marft_jax.envs.task import Task
 from marft_jax.models import attention as attention_lib
 from marft_jax.models import cache_attention
 from marft_jax.models import registry, sharding
-from marft_jax.models.lora import LoraConfig
 from marft_jax.rl import topology
-from marft_jax.rl.rollout import RolloutConfig, Team
-from marft_jax.rl.state import OptimConfig
+from marft_jax.rl.rollout import Team
 from marft_jax.rl.update import UpdateConfig
-from marft_jax.sampling.sampler import Sampler, SamplingConfig
-from marft_jax.train.iteration import ScheduleConfig, TeamLearner
+from marft_jax.sampling.sampler import Sampler
+from marft_jax.train.iteration import TeamLearner
 from marft_jax.train.placement import Placement
 from marft_jax.train.prepare import AdvantageConfig
 
@@ -89,29 +87,12 @@ def remat_policy(cfg: Config) -> str | None:
     return {"true": "full", "false": "none"}.get(str(r).lower(), str(r))
 
 
-def update_config(cfg: Config, total_updates: int) -> UpdateConfig:
-    p = cfg.ppo
-    return UpdateConfig(
-        level=cfg.algo.level, logprob_norm=p.logprob_norm, clip_eps=p.clip_eps, value_clip_eps=p.value_clip_eps,
-        value_loss=p.value_loss, huber_delta=p.huber_delta, ent_coef=p.ent_coef, vf_coef=p.vf_coef,
-        adv_norm=p.adv_norm, kl_stop=p.kl_stop, max_grad_norm=p.max_grad_norm,
-        critic_max_grad_norm=p.critic_max_grad_norm,
-        agent_schedule="sequential" if p.agent_schedule == "interval" else p.agent_schedule,
-        happo_weighting=p.happo_weighting and p.agent_schedule == "sequential", happo_clip=p.happo_clip,
-        epochs=p.epochs, num_minibatches=p.num_minibatches, micro_batches=p.micro_batches,
-        temperature=cfg.rollout.temperature, remat=remat_policy(cfg),
-        optim=optim_config(cfg, total_updates))
-
-
-def optim_config(cfg: Config, total_updates: int) -> OptimConfig:
-    o = cfg.optim
-    return OptimConfig(policy_lr=o.policy_lr, critic_lr=o.critic_lr, eps=o.eps, weight_decay=o.weight_decay,
-                       schedule=o.schedule, total_updates=max(total_updates, 1), warmup_ratio=o.warmup_ratio,
-                       min_lr_ratio=o.min_lr_ratio)
-
-
-def lora_config(cfg: Config) -> LoraConfig:
-    return LoraConfig(rank=cfg.lora.rank, alpha=cfg.lora.alpha, targets=tuple(cfg.lora.targets))
+def update_config(cfg: Config) -> UpdateConfig:
+    """The update's sections, the run's optimizer-step count (the cosine schedule's length) and
+    the remat policy."""
+    updates = cfg.train.iterations * cfg.ppo.epochs * cfg.ppo.num_minibatches
+    return UpdateConfig(ppo=cfg.ppo, optim=cfg.optim, algo=cfg.algo, rollout=cfg.rollout,
+                        total_updates=max(updates, 1), remat=remat_policy(cfg))
 
 
 @dataclasses.dataclass
@@ -159,9 +140,7 @@ def build_run(cfg: Config) -> Run:
           + ("" if plan.initialize else f" ({plan.why})"), flush=True)
     tok = HFChatTokenizer(model.tokenizer, stop_ids=model.stop_token_ids)
     pool = ScoringPool(task, workers=cfg.train.scoring_workers)
-    updates = cfg.train.iterations * cfg.ppo.epochs * cfg.ppo.num_minibatches
-    r = cfg.rollout
-    sampler = Sampler(model.cfg, pad_id=tok.pad_id, stop_ids=tok.stop_ids, max_prompt_len=r.context_window)
+    sampler = Sampler(model.cfg, pad_id=tok.pad_id, stop_ids=tok.stop_ids, max_prompt_len=cfg.rollout.context_window)
     sampler.place_on(placement)
     # Shared prefixes need a dense attention mask: the Pallas kernels take segment ids only.
     share = cfg.ppo.share_prefixes and model.cfg.attention in ("xla", "cudnn")
@@ -169,25 +148,13 @@ def build_run(cfg: Config) -> Run:
         cfg=model.cfg, base=model.params, tokenizer=tok,
         sampler=sampler,
         team=team, score_fn=pool.score,
-        rollout_cfg=RolloutConfig(mode=r.mode, horizon=r.horizon, max_steps=r.max_steps,
-                                  max_new_tokens=(r.max_new_tokens if r.agent_max_new_tokens is None
-                                                  else tuple(r.agent_max_new_tokens)),
-                                  context_window=r.context_window,
-                                  success_threshold=r.success_threshold, prompt_format=r.prompt_format),
-        sampling=SamplingConfig(max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_k=r.top_k,
-                                top_p=r.top_p),
-        update_cfg=update_config(cfg, updates),
-        adv_cfg=AdvantageConfig(level=cfg.algo.level, gamma=cfg.gamma, lam=cfg.lam, reward_to=cfg.algo.reward_to,
-                                reward_bias=cfg.algo.reward_bias, reward_scale=cfg.algo.reward_scale,
-                                reward_clip=cfg.algo.reward_clip, independent=team.topology.independent,
-                                ippo_own_weight=cfg.algo.ippo_own_weight,
-                                reference_semantics=cfg.algo.reference_semantics, temperature=r.temperature,
-                                logp_old=cfg.ppo.logp_old, topology=team.topology,
-                                layer_links=cfg.team.layer_links, share_prefixes=share),
+        rollout_cfg=cfg.rollout,
+        update_cfg=update_config(cfg),
+        adv_cfg=AdvantageConfig(algo=cfg.algo, ppo=cfg.ppo, rollout=cfg.rollout,
+                                independent=team.topology.independent, topology=team.topology,
+                                layer_links=team.layer_links, share_prefixes=share),
         pack_sequences=cfg.ppo.pack_sequences,
         share_prefixes=share,
-        schedule=ScheduleConfig(agent_schedule=cfg.ppo.agent_schedule, interval=cfg.ppo.interval,
-                                interval_offset=cfg.ppo.interval_offset, critic_warmup=cfg.ppo.critic_warmup),
         placement=placement,
     )
     return Run(config=cfg, model=model, tokenizer=tok, task=task, team=team, pool=pool, learner=learner)

@@ -45,7 +45,7 @@ class EvalResult:
 def evaluate(learner: TeamLearner, state: TrainState, problems: Sequence[Problem], *, temperature: float,
              seeds: Sequence[int], batch_size: int = 32, keep_examples: int = 3) -> EvalResult:
     """Play the team on ``problems`` once per seed and grade it."""
-    sampling = dataclasses.replace(learner.sampling, temperature=temperature, top_k=0, top_p=1.0)
+    sampling = dataclasses.replace(learner.rollout_cfg, temperature=temperature, top_k=0, top_p=1.0)
     roles = learner.team.roles
     team, per_agent = [], {r: [] for r in roles}
     examples: list[dict] = []

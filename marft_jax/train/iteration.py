@@ -22,7 +22,8 @@ from marft_jax.envs.task import Problem, Score, Transcript
 from marft_jax.models.config import ModelConfig
 from marft_jax.rl import layout, packing
 from marft_jax.rl import rollout as rollout_lib
-from marft_jax.rl.rollout import Generation, RolloutConfig, Team
+from marft_jax.config import RolloutConfig
+from marft_jax.rl.rollout import Generation, Team
 from marft_jax.rl.state import TrainState
 from marft_jax.rl.update import UpdateConfig, ppo_update
 from marft_jax.sampling.sampler import Sampler, SamplingConfig
@@ -34,24 +35,17 @@ from marft_jax.models.sharding import to_host
 from marft_jax.train.prepare import AdvantageConfig, PrepareShapes, prepare_update_batch
 
 
-@dataclasses.dataclass(frozen=True)
-class ScheduleConfig:
-    """Which agents train when (reference §8 ``interval``; §9 critic warm-up)."""
-
-    agent_schedule: str = "sequential"
-    interval: int = 1000                # env samples (rows x steps) per agent under `interval`
-    interval_offset: int = 0
-    critic_warmup: int = 0              # iterations that train only the critic
-
-
 def interval_agent(env_samples: int, interval: int, offset: int, num_agents: int) -> int:
     """G1: ``agent_to_train = (floor(E / interval) + o) mod N``."""
     return (env_samples // interval + offset) % num_agents
 
 
-def make_generate(sampler: Sampler, base, lora, sampling: SamplingConfig,
+def make_generate(sampler: Sampler, base, lora, sampling: SamplingConfig | RolloutConfig,
                   policy_temperature: float = 1.0) -> rollout_lib.GenerateFn:
     """Adapt the sampler to the rollout's ``GenerateFn`` (adapters selected per row).
+
+    ``sampling``: the sampler's settings (``max_new_tokens``, ``temperature``, ``top_k``,
+    ``top_p``), the run's rollout section or a :class:`SamplingConfig`.
 
     ``policy_temperature``: the training temperature; the sampler's log-probs and entropies at
     it are PPO's old log-probs (``prepare.py``).
@@ -84,11 +78,9 @@ class TeamLearner:
     sampler: Sampler
     team: Team
     score_fn: Callable[[Sequence[Transcript]], Sequence[Score]]
-    rollout_cfg: RolloutConfig
-    sampling: SamplingConfig
-    update_cfg: UpdateConfig
+    rollout_cfg: RolloutConfig          # the rollout section: episodes and the training sampler settings
+    update_cfg: UpdateConfig            # its ppo section also says which agents train when
     adv_cfg: AdvantageConfig
-    schedule: ScheduleConfig = ScheduleConfig()
     # Context length bucket only grows over a run (the trajectory's padded context axis).
     context_bucket: int = 0
     # Packed sequences (rl/packing.py) for the feature pass and the update; False: the padded
@@ -122,26 +114,29 @@ class TeamLearner:
             for policy in (self.update_shapes, self.prepare_shapes.features, self.prepare_shapes.logprobs):
                 policy.row_multiple = self.placement.row_shards
 
-    def play(self, state: TrainState, problems: Sequence[Problem], key, sampling: SamplingConfig | None = None,
-             rollout_cfg: RolloutConfig | None = None):
-        """Roll out the team on ``problems`` (no update). Returns (trajectory, texts)."""
-        gen = make_generate(self.sampler, self.base, state.lora, sampling or self.sampling,
-                            policy_temperature=self.adv_cfg.temperature)
-        rcfg = rollout_cfg or self.rollout_cfg
-        rcfg = dataclasses.replace(rcfg, min_context_bucket=max(rcfg.min_context_bucket, self.context_bucket))
+    def play(self, state: TrainState, problems: Sequence[Problem], key,
+             sampling: SamplingConfig | RolloutConfig | None = None):
+        """Roll out the team on ``problems`` (no update). Returns (trajectory, texts).
+
+        ``sampling``: other sampler settings (evaluation's temperature); None: the rollout
+        section's. Old log-probs are always at the training temperature (``rollout.temperature``).
+        """
+        rcfg = self.rollout_cfg
+        gen = make_generate(self.sampler, self.base, state.lora, sampling or rcfg, policy_temperature=rcfg.temperature)
         traj, texts = rollout_lib.rollout(problems, team=self.team, tokenizer=self.tokenizer, generate=gen,
-                                          score=self.score_fn, cfg=rcfg, key=key)
+                                          score=self.score_fn, cfg=rcfg, key=key,
+                                          min_context_bucket=max(16, self.context_bucket))
         self.context_bucket = max(self.context_bucket, traj.shape[3])
         return traj, texts
 
     def train_mask(self, iteration: int, env_samples: int) -> tuple[np.ndarray, bool]:
         n = self.team.num_agents
-        if self.schedule.agent_schedule == "interval":
-            mask = np.arange(n) == interval_agent(env_samples, self.schedule.interval,
-                                                  self.schedule.interval_offset, n)
+        ppo = self.update_cfg.ppo
+        if ppo.agent_schedule == "interval":
+            mask = np.arange(n) == interval_agent(env_samples, ppo.interval, ppo.interval_offset, n)
         else:
             mask = np.ones(n, bool)
-        return mask, iteration >= self.schedule.critic_warmup
+        return mask, iteration >= ppo.critic_warmup
 
     def iteration(self, state: TrainState, problems: Sequence[Problem], *, iteration: int, env_samples: int,
                   key) -> tuple[TrainState, dict, object]:
@@ -210,7 +205,7 @@ class TeamLearner:
         metrics["perf/tokens/update/unique"] = pstats.get("unique_tokens", pstats["valid_tokens"])
         metrics["perf/tokens/update/computed"] = pstats["computed_tokens"]
         for name, slots in packing.layout_costs(np.asarray(traj.ctx_valid), np.asarray(traj.act_valid)).items():
-            metrics[f"perf/tokens/update/computed_if_{name}"] = slots * self.update_cfg.epochs
+            metrics[f"perf/tokens/update/computed_if_{name}"] = slots * self.update_cfg.ppo.epochs
         valid = metrics["perf/tokens/update/valid"] + metrics["perf/tokens/prepare/valid"]
         unique = metrics["perf/tokens/update/unique"] + metrics["perf/tokens/prepare/unique"]
         computed = metrics["perf/tokens/update/computed"] + metrics["perf/tokens/prepare/computed"]
@@ -229,8 +224,8 @@ class TeamLearner:
             context_mean=float(np.asarray(traj.ctx_valid).sum(-1)[played].mean()) if played.any() else 0.0,
             rollout_tokens=ctx_tok + gen_tok, rollout_head_tokens=gen_tok,
             prepare_tokens=metrics["perf/tokens/prepare/unique"],
-            prepare_head_tokens=0 if self.adv_cfg.logp_old == "sampler" else gen_tok,
-            update_tokens=metrics["perf/tokens/update/unique"], update_head_tokens=gen_tok * self.update_cfg.epochs,
+            prepare_head_tokens=0 if self.adv_cfg.ppo.logp_old == "sampler" else gen_tok,
+            update_tokens=metrics["perf/tokens/update/unique"], update_head_tokens=gen_tok * self.update_cfg.ppo.epochs,
             happo_passes=(n - 1) / n if self.update_cfg.happo_weighting and n > 1 else 0.0,
             sampler=sampler_totals,
             num_devices=1 if self.placement is None else self.placement.mesh.devices.size))
@@ -289,11 +284,11 @@ class TeamLearner:
         S, B, N, L, K = traj.shape
         if not self.pack_sequences:
             valid = int(np.asarray(traj.ctx_valid).sum() + np.asarray(traj.act_valid).sum())
-            return None, {"valid_tokens": valid * u.epochs, "computed_tokens": S * B * N * (L + K) * u.epochs}
-        perms = packing.minibatch_perms(state.rng, B, u.num_minibatches, u.epochs)
+            return None, {"valid_tokens": valid * u.ppo.epochs, "computed_tokens": S * B * N * (L + K) * u.ppo.epochs}
+        perms = packing.minibatch_perms(state.rng, B, u.ppo.num_minibatches, u.ppo.epochs)
         plan, stats = packing.plan_update(np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid),
                                           np.asarray(traj.act_tokens), np.asarray(traj.act_valid), perms,
-                                          micro_batches=u.micro_batches, policy=self.update_shapes,
+                                          micro_batches=u.ppo.micro_batches, policy=self.update_shapes,
                                           pad_id=self.tokenizer.pad_id, share=self.share_prefixes)
         return jax.tree.map(jnp.asarray, plan), stats
 

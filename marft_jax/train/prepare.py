@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from marft_jax.config import AlgoConfig, PPOConfig, RolloutConfig
 from marft_jax.models import decoder, sharding
 from marft_jax.models import logprobs as lp_lib
 from marft_jax.models.config import ModelConfig
@@ -30,36 +31,22 @@ from marft_jax.rl import topology as topo
 from marft_jax.rl.trajectory import Trajectory
 from marft_jax.rl.update import UpdateBatch
 
-LOGP_OLD_SOURCES = ("sampler", "recompute")
-
 
 @dataclasses.dataclass(frozen=True)
 class AdvantageConfig:
-    """Rewards and backups (static)."""
+    """What the preparation reads (static): the run's ``algo`` (level, rewards, backups), ``ppo``
+    (``logp_old``) and ``rollout`` (the training temperature of recomputed log-probs) sections
+    themselves, and the team graph."""
 
-    level: str = "action"
-    gamma: float = 0.99
-    lam: float = 0.95
-    reward_to: str = "last"
-    reward_bias: float = 0.0
-    reward_scale: float = 1.0
-    reward_clip: float | None = None
+    algo: AlgoConfig = AlgoConfig()
+    ppo: PPOConfig = PPOConfig()
+    rollout: RolloutConfig = RolloutConfig()
     independent: bool = False           # independent PPO: own rewards, no chaining
-    ippo_own_weight: float = 0.5
-    reference_semantics: bool = False
-    temperature: float = 1.0
+    topology: topo.Topology | None = None   # the team graph (None: the chain)
+    layer_links: str = "chain"          # the team's layer_links: chain | layer
+    share_prefixes: bool = True         # a (row, agent)'s steps share their common prefix (packing)
     chunk: int = 128
     tokens_per_call: int = 4096         # packed slots per forward call (memory bound)
-    share_prefixes: bool = True         # a (row, agent)'s steps share their common prefix (packing)
-    logp_old: str = "sampler"           # sampler | recompute
-    topology: topo.Topology | None = None   # the team graph (None: the chain)
-    layer_links: str = "chain"          # team.layer_links: chain | layer
-
-    def __post_init__(self) -> None:
-        if self.logp_old not in LOGP_OLD_SOURCES:
-            raise ValueError(f"ppo.logp_old must be one of {LOGP_OLD_SOURCES}, got {self.logp_old!r}")
-        if self.layer_links not in topo.LAYER_LINKS:
-            raise ValueError(f"team.layer_links must be one of {topo.LAYER_LINKS}, got {self.layer_links!r}")
 
     def links(self, num_steps: int) -> topo.LinkTable | None:
         """The backup's link table for ``num_steps`` steps; None for the chain (no graph)."""
@@ -227,13 +214,13 @@ def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Traj
         raise ValueError("a critic LoRA (ppo.critic_lora) cannot train on a trajectory whose critic contexts "
                          "differ from the policy contexts (a non-chain team graph)")
     shapes = shapes or PrepareShapes()
-    token_level = acfg.level == "token"
+    token_level = acfg.algo.token_level
     valid, unique, computed = 0, 0, 0
-    from_sampler = acfg.logp_old == "sampler" and traj.policy_logp is not None
+    from_sampler = acfg.ppo.logp_old == "sampler" and traj.policy_logp is not None
     if from_sampler:
         logp, ent = np.asarray(traj.policy_logp), np.asarray(traj.entropy)
     else:
-        logp, ent, st = recompute_logprobs(base, lora, traj, cfg=cfg, temperature=acfg.temperature,
+        logp, ent, st = recompute_logprobs(base, lora, traj, cfg=cfg, temperature=acfg.rollout.temperature,
                                            chunk=acfg.chunk, policy=shapes.logprobs, placement=placement,
                                            share=acfg.share_prefixes)
         valid, unique, computed = valid + st["valid_tokens"], unique + st["unique_tokens"], computed + st["computed_tokens"]
@@ -269,26 +256,31 @@ def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Traj
 def _advantages(value, act_valid, step_mask, score, agent_score, terminal, truncated, v_boot, *,
                 acfg: AdvantageConfig):
     """Decision masks, placed rewards and the backup, in one jitted program."""
-    token_level = acfg.level == "token"
+    token_level = acfg.algo.token_level
     dp = (layout.token_decision_mask(act_valid, step_mask) if token_level
           else layout.action_decision_mask(act_valid, step_mask))
     value = jnp.where(dp, value, 0.0)
     if acfg.independent:
         own = jax.vmap(lambda s: rewards.final_step_reward(s, step_mask), in_axes=2, out_axes=1)(agent_score)
-        r = rewards.mix_independent_rewards(own, acfg.ippo_own_weight)               # [B, N]
-        r = rewards.transform_reward(r, bias=acfg.reward_bias, scale=acfg.reward_scale, clip=acfg.reward_clip)
+        r = rewards.mix_independent_rewards(own, acfg.algo.ippo_own_weight)               # [B, N]
+        r = _transform(r, acfg.algo)
         placed = rewards.place_reward(r, dp, step_mask, reward_to="all")
         adv, ret = backups.independent_gae(placed, value, dp, step_mask, terminal, truncated, v_boot,
-                                           gamma=acfg.gamma, lam=acfg.lam)
+                                           gamma=acfg.algo.discount, lam=acfg.algo.gae_lambda)
     else:
         r = rewards.final_step_reward(score, step_mask)                               # [B]
-        r = rewards.transform_reward(r, bias=acfg.reward_bias, scale=acfg.reward_scale, clip=acfg.reward_clip)
+        r = _transform(r, acfg.algo)
         links = acfg.links(step_mask.shape[0])                                         # static
-        placed = rewards.place_reward(r, dp, step_mask, reward_to=acfg.reward_to, links=links)
+        placed = rewards.place_reward(r, dp, step_mask, reward_to=acfg.algo.reward_to, links=links)
         adv, ret = backups.marft_gae(placed, value, dp, step_mask, terminal, truncated, v_boot[:, 0],
-                                     gamma=acfg.gamma, lam=acfg.lam,
-                                     reference_semantics=acfg.reference_semantics, links=links)
+                                     gamma=acfg.algo.discount, lam=acfg.algo.gae_lambda,
+                                     reference_semantics=acfg.algo.reference_semantics, links=links)
     return value, dp, placed, adv, ret
+
+
+def _transform(r: jax.Array, algo: AlgoConfig) -> jax.Array:
+    """The ``algo`` section's reward transform: bias, scale, clip."""
+    return rewards.transform_reward(r, bias=algo.reward_bias, scale=algo.reward_scale, clip=algo.reward_clip)
 
 
 def _prepare_metrics(value, ret, dp, placed, logp, sample_logp, act_valid, ent) -> dict:

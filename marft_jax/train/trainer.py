@@ -28,7 +28,7 @@ from marft_jax.config import Config, to_yaml
 from marft_jax.envs.task import Problem, Task
 from marft_jax.profiling import StepProfiler
 from marft_jax.rl.state import TrainState, init_train_state
-from marft_jax.train.build import Run, build_run, lora_config, optim_config
+from marft_jax.train.build import Run, build_run
 from marft_jax.train.checkpoint import CheckpointManager, nonfinite_leaves
 from marft_jax.train.evaluate import EvalResult, evaluate
 from marft_jax.train.metrics import MetricsWriter
@@ -172,9 +172,8 @@ def train(cfg: Config, *, resume: bool = True, stop_after: int | None = None) ->
 
 def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int | None) -> dict:
     learner = run.learner
-    total_updates = cfg.train.iterations * cfg.ppo.epochs * cfg.ppo.num_minibatches
-    state = init_train_state(jax.random.key(cfg.train.seed), run.model.cfg, lora_config(cfg), cfg.team.num_agents,
-                             optim_config(cfg, total_updates), critic_lora=cfg.ppo.critic_lora)
+    state = init_train_state(jax.random.key(cfg.train.seed), run.model.cfg, cfg.lora, cfg.team.num_agents,
+                             cfg.optim, critic_lora=cfg.ppo.critic_lora)
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.train.keep_last, async_save=True)
     start, position, env_samples, before = 0, 0, 0, None
     saved_at = None  # the step whose checkpoint holds `state` (not saved again: orbax cannot overwrite in place)
