@@ -192,6 +192,15 @@ class ProfileSection:
 
 
 @dataclass
+class WandbSection:
+    # Used when train.loggers names wandb (pip install 'marft-jax[wandb]').
+    project: str = "marft-jax"
+    name: Optional[str] = None          # W&B run name; default the run folder's name
+    dir: Optional[str] = None           # W&B writes <dir>/wandb/; default the run folder
+    mode: Optional[str] = None          # offline | online | disabled; null = $WANDB_MODE, else offline
+
+
+@dataclass
 class TrainSection:
     iterations: int = 100
     seed: int = 0
@@ -207,6 +216,8 @@ class TrainSection:
     time_budget_s: Optional[float] = None
     scoring_workers: int = 2
     log_every: int = 1
+    loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])  # jsonl (required) | tensorboard | wandb
+    wandb: WandbSection = field(default_factory=WandbSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
 
 
@@ -363,6 +374,13 @@ def validate(cfg: Config) -> Config:
     need("train.eval_batch_size", cfg.train.eval_batch_size >= 1, ">= 1")
     need("train.eval_temperature", cfg.train.eval_temperature >= 0, ">= 0")
     need("train.scoring_workers", cfg.train.scoring_workers >= 0, ">= 0")
+    from marft_jax.train.metric_sinks import WANDB_MODES, logger_problem
+
+    problem = logger_problem(cfg.train.loggers)
+    need("train.loggers", problem is None, problem or "")
+    if cfg.train.wandb.mode is not None:
+        need("train.wandb.mode", cfg.train.wandb.mode in WANDB_MODES, f"one of {list(WANDB_MODES)} or null "
+             "($WANDB_MODE, else offline)")
     if cfg.team.answer_agent is not None:
         need("team.answer_agent", 0 <= cfg.team.answer_agent < cfg.team.num_agents,
              f"in [0, team.num_agents={cfg.team.num_agents})")

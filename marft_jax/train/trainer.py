@@ -12,6 +12,7 @@ checkpoint.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime as dt
 import itertools
 import json
@@ -24,13 +25,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 
-from marft_jax.config import Config, to_yaml
+from marft_jax.config import Config, to_dict, to_yaml
 from marft_jax.envs.task import Problem, Task
 from marft_jax.profiling import StepProfiler
 from marft_jax.rl.state import TrainState, init_train_state
 from marft_jax.train.build import Run, build_run
 from marft_jax.train.checkpoint import CheckpointManager, nonfinite_leaves
 from marft_jax.train.evaluate import EvalResult, evaluate
+from marft_jax.train.metric_sinks import require_installed
 from marft_jax.train.metrics import MetricsWriter
 
 
@@ -155,6 +157,7 @@ def train(cfg: Config, *, resume: bool = True, stop_after: int | None = None) ->
       resume: continue from the newest valid checkpoint in the run directory, if any.
       stop_after: stop after this many iterations of *this* invocation (tests simulate a kill).
     """
+    require_installed(cfg.train.loggers)   # a missing wandb is a config error before any work
     run_dir = run_dir_for(cfg)
     run = build_run(cfg)                  # starts jax.distributed first where the run has processes
     try:
@@ -186,7 +189,9 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
         learner.load_packed_shapes(extra.get("packed_shapes", {}))
         print(f"resumed from {ckpt.step_path(start)} (iteration {start})")
     state = learner.place_state(state)
-    writer = MetricsWriter(run_dir, tensorboard=True, resume_step=start if start else None, enabled=is_primary())
+    sink_options = {"wandb": {**dataclasses.asdict(cfg.train.wandb), "config": to_dict(cfg)}}
+    writer = MetricsWriter(run_dir, cfg.train.loggers, resume_step=start if start else None, enabled=is_primary(),
+                           options=sink_options)
     stream = ProblemStream(run.task, cfg.train.seed, position)
     eval_problems = list(itertools.islice(run.task.problems("test", 0), cfg.train.eval_problems))
     if not eval_problems:
