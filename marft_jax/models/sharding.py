@@ -132,10 +132,13 @@ def batch_sharding(mesh: Mesh, ndim: int, rules: AxisRules = AxisRules(), batch_
     return NamedSharding(mesh, P(*spec))
 
 
-def constrain_rows(x: jax.Array, axis: int = 0, rules: AxisRules = AxisRules()) -> jax.Array:
+def constrain_rows(x: jax.Array, axis: int = 0, rules: AxisRules = AxisRules(), *,
+                   keep_other_axes: bool = False) -> jax.Array:
     """Inside a ``jax.set_mesh`` context: ask XLA to keep ``x`` split over the batch mesh axes on
     ``axis`` (where an index or gather would otherwise leave it replicated on every device).
-    A no-op without a context mesh, or where the axes do not divide the dimension."""
+    The other dimensions are replicated, or with ``keep_other_axes`` left to XLA (a KV cache
+    keeps its kv heads split over ``tensor``). A no-op without a context mesh, or where the axes
+    do not divide the dimension."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty:
         return x
@@ -144,7 +147,7 @@ def constrain_rows(x: jax.Array, axis: int = 0, rules: AxisRules = AxisRules()) 
     size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
     if size == 1 or x.shape[axis] % size:
         return x
-    spec = [None] * x.ndim
+    spec = [P.UNCONSTRAINED if keep_other_axes else None] * x.ndim
     spec[axis] = axes if len(axes) > 1 else axes[0]
     return jax.lax.with_sharding_constraint(x, P(*spec))
 

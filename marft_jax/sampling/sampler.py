@@ -45,6 +45,7 @@ by the budget.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import math
@@ -60,6 +61,7 @@ import numpy as np
 
 from marft_jax.models import decoder
 from marft_jax.models import lora as lora_lib
+from marft_jax.models import sharding
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.logprobs import logprob_and_entropy
 from marft_jax.sampling import buckets
@@ -441,15 +443,20 @@ def resize(state: SamplerState, rows: jax.Array, keep: jax.Array, *, slots: int)
     for padding rows (they become done, with an out-of-range row id, and write nothing).
     slots: static new cache size (>= the current one; the new slots are empty). The output
     buffers (original rows) pass through untouched. ``state`` is donated.
+
+    Under a context mesh the working rows stay split over the row shards (a gather with a
+    replicated index would otherwise return the cache whole on every device, and the next
+    decode phase would compute every row on every device).
     """
     old = state.cache.k.shape[3]
     if slots < old:
         raise ValueError(f"resize: slots={slots} < current {old}")
     grow = ((0, 0), (0, 0), (0, 0), (0, slots - old), (0, 0))
-    take = lambda x: jnp.take(x, rows, axis=0)
+    split = functools.partial(sharding.constrain_rows, keep_other_axes=True)
+    take = lambda x: split(jnp.take(x, rows, axis=0))
     cache = decoder.KVCache(
-        k=jnp.pad(jnp.take(state.cache.k, rows, axis=1), grow),
-        v=jnp.pad(jnp.take(state.cache.v, rows, axis=1), grow),
+        k=split(jnp.pad(jnp.take(state.cache.k, rows, axis=1), grow), 1),
+        v=split(jnp.pad(jnp.take(state.cache.v, rows, axis=1), grow), 1),
         valid=jnp.pad(take(state.cache.valid), ((0, 0), (0, slots - old))),
         index=state.cache.index)
     return state.replace(
@@ -594,6 +601,10 @@ class Sampler:
             self.min_batch = max(self.min_batch, placement.row_shards)
             self.min_compact_batch = max(self.min_compact_batch, placement.row_shards)
 
+    def _mesh_context(self):
+        """The placement's mesh as JAX's context mesh (where :func:`resize` keeps rows split)."""
+        return contextlib.nullcontext() if self.placement is None else jax.set_mesh(self.placement.mesh)
+
     def _host(self, tree):
         if self.placement is None:
             return jax.device_get(tree)
@@ -720,4 +731,5 @@ class Sampler:
                 gather, keep = np.arange(rows, dtype=np.int32), np.ones(rows, bool)
             with warnings.catch_warnings():     # a resized cache cannot reuse the donated one
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                state = resize(state, jnp.asarray(gather), jnp.asarray(keep), slots=slots)
+                with self._mesh_context():
+                    state = resize(state, jnp.asarray(gather), jnp.asarray(keep), slots=slots)
