@@ -99,7 +99,8 @@ def test_bench_scaling_splits_every_stage_over_a_data_mesh():
     assert out.returncode == 0, out.stderr[-4000:]
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert report["devices"] == 2 and report["mesh"] == {"data": 2, "fsdp": 1, "tensor": 1}
-    assert set(report["stages"]) == {"features", "update", "sampler_prefill", "sampler_decode"}
+    assert set(report["stages"]) == {"features", "update", "update_micro_batches", "sampler_prefill",
+                                     "sampler_decode"}
     for name, st in report["stages"].items():
         assert st["flops_1_device"] > 0
         assert st["ratio"] <= 1.2 / 2, (name, st)

@@ -1,5 +1,6 @@
-"""How the work splits over devices: per-device compiled FLOPs and bytes of the update, the
-feature pass and one sampler call, on a mesh of D simulated CPU devices against one device.
+"""How the work splits over devices: per-device compiled FLOPs and bytes of the update (with one
+and with ``--micro-batches`` micro-batches), the feature pass and one sampler call, on a mesh of
+D simulated CPU devices against one device.
 
 ``python -m marft_jax.bench.scaling --devices 8`` (or ``marft-jax bench scaling --devices 8``)
 re-runs itself in a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=D`` and
@@ -18,6 +19,7 @@ ragged lengths, the shapes of a real rollout. The last stdout line is one JSON o
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -37,6 +39,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--agents", type=int, default=2)
     p.add_argument("--ctx", type=int, default=96, help="longest context L")
     p.add_argument("--act", type=int, default=32, help="longest response K")
+    p.add_argument("--micro-batches", type=int, default=4,
+                   help="ppo.micro_batches of the stage update_micro_batches (the update stage uses 1)")
     p.add_argument("--token-level", action="store_true", help="MARFT-T (token-level values and PPO)")
     p.add_argument(CHILD_FLAG, action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -121,15 +125,18 @@ def _measure(args) -> dict:
         batch, _ = prepare.prepare_update_batch(base, state.lora, critic, traj, cfg=cfg, acfg=acfg, shapes=shapes,
                                                 placement=placement)
         learner = TeamLearner.__new__(TeamLearner)   # only its placement / plan helpers
-        learner.placement, learner.update_cfg, learner.pack_sequences = placement, ucfg, True
-        learner.update_shapes = packing.ShapePolicy(row_multiple=multiple)
+        learner.placement, learner.pack_sequences = placement, True
         learner.tokenizer = type("T", (), {"pad_id": 0})()
-        plan, _ = learner.update_plan(state, traj)
-        batch, plan = learner.place_update(batch, plan)
         mask = placement.replicate(np.ones(args.agents, bool))
         flag = placement.replicate(np.asarray(True))
-        with jax.set_mesh(mesh):
-            costs["update"] = _cost(ppo_update.lower(base, state, batch, mask, flag, cfg=cfg, ucfg=ucfg, plan=plan))
+        for name, micro in (("update", 1), ("update_micro_batches", args.micro_batches)):
+            ucfg = dataclasses.replace(ucfg, ppo=dataclasses.replace(ucfg.ppo, micro_batches=micro))
+            learner.update_cfg = ucfg
+            learner.update_shapes = packing.ShapePolicy(row_multiple=multiple)
+            plan, _ = learner.update_plan(state, traj)
+            placed, plan = learner.place_update(batch, plan)
+            with jax.set_mesh(mesh):
+                costs[name] = _cost(ppo_update.lower(base, state, placed, mask, flag, cfg=cfg, ucfg=ucfg, plan=plan))
 
         # one sampler call: the prefill of B x N prompts and the decode loop's body
         rows = args.rows * args.agents
