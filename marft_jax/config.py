@@ -159,6 +159,9 @@ class PPOConfig:
     critic_max_grad_norm: float = 0.5
     logprob_norm: str = "sum"           # sum | token | word
     agent_schedule: str = "sequential"  # sequential | concurrent | interval
+    # Agents of one team-graph layer under `sequential`: in_order (one after another, the factor
+    # carried on) | concurrent (vmap from the layer's incoming HAPPO factor).
+    layer_update: str = "in_order"
     happo_weighting: bool = True
     happo_clip: Optional[float] = 0.2
     interval: int = 1000                # env samples per agent under `interval`
@@ -285,6 +288,7 @@ _CHOICES = {
     "ppo.logprob_norm": ("sum", "token", "word"),
     "ppo.logp_old": ("sampler", "recompute"),
     "ppo.agent_schedule": ("sequential", "concurrent", "interval"),
+    "ppo.layer_update": ("in_order", "concurrent"),
     "optim.schedule": ("constant", "cosine"),
     "dist.initialize": ("auto", "on", "off"),
 }
@@ -343,6 +347,9 @@ def validate(cfg: Config) -> Config:
     need("optim.warmup_ratio", 0 <= cfg.optim.warmup_ratio < 1, "in [0, 1)")
     for key in ("ppo.clip_eps", "ppo.value_clip_eps"):
         need(key, _get(cfg, key) > 0, "> 0")
+    need("ppo.layer_update", cfg.ppo.layer_update == "in_order" or cfg.ppo.agent_schedule == "sequential",
+         f"in_order with ppo.agent_schedule={cfg.ppo.agent_schedule!r} (layers update concurrently only "
+         "within the sequential scan)")
     if cfg.ppo.happo_clip is not None:
         need("ppo.happo_clip", cfg.ppo.happo_clip > 0, "> 0 or null")
     if cfg.ppo.kl_stop is not None:

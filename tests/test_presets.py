@@ -184,10 +184,16 @@ def test_round_trip_through_yaml(tmp_path, configs):
     ("rollout.agent_max_new_tokens=[16]", "rollout.agent_max_new_tokens"),        # one per agent (2)
     ("rollout.agent_max_new_tokens=[16,0]", "rollout.agent_max_new_tokens"),      # below 1
     ("rollout.agent_max_new_tokens=[16,4096]", "rollout.agent_max_new_tokens"),   # above max_new_tokens
+    ("ppo.layer_update=vmap", "ppo.layer_update"),    # not a choice
 ])
 def test_bad_value_names_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config("demo", [override])
+
+
+def test_concurrent_layers_outside_the_sequential_scan_name_both_keys():
+    with pytest.raises(ConfigError, match=r"ppo\.layer_update.*ppo\.agent_schedule='interval'"):
+        load_config("demo", ["ppo.layer_update=concurrent", "ppo.agent_schedule=interval"])
 
 
 def test_unknown_key_in_yaml_names_it(tmp_path):

@@ -130,6 +130,70 @@ def test_concurrent_equals_independent_per_agent_updates():
         _close(jax.tree.map(lambda x: x[a], lora), jax.tree.map(lambda x: x[a], o_lora))
 
 
+def _tree_equal(a, b):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("level", ["action", "token"])
+def test_chain_layers_equal_todays_scan_either_way(level):
+    """On the chain (one agent per layer) both ``ppo.layer_update`` options are today's scan."""
+    base, state, batch, ucfg = _setup(level)
+    today = update_agents(base, CFG, ucfg, state.lora, state.lora_opt, batch, jnp.ones(N, bool))
+    chain = tuple((i,) for i in range(N))
+    for layer_update in ("in_order", "concurrent"):
+        u = dataclasses.replace(_with_ppo(ucfg, layer_update=layer_update), layers=chain)
+        _tree_equal(update_agents(base, CFG, u, state.lora, state.lora_opt, batch, jnp.ones(N, bool)), today)
+
+
+def test_in_order_on_a_mixture_equals_todays_scan():
+    base, state, batch, ucfg = _setup()
+    today = update_agents(base, CFG, ucfg, state.lora, state.lora_opt, batch, jnp.ones(N, bool))
+    u = dataclasses.replace(ucfg, layers=((0, 1), (2,)))
+    _tree_equal(update_agents(base, CFG, u, state.lora, state.lora_opt, batch, jnp.ones(N, bool)), today)
+
+
+@pytest.mark.parametrize("layers", [((0, 1), (2,)),      # mixture: two proposers, then the aggregator
+                                    ((0,), (1, 2))])     # a padded first layer
+@pytest.mark.parametrize("level", ["action", "token"])
+def test_concurrent_layers_equal_per_layer_oracle(layers, level):
+    """Each layer's agents update as if alone from the layer's incoming factor; the next layer
+    gets the product of their ratios."""
+    base, state, batch, ucfg = _setup(level)
+    u = dataclasses.replace(_with_ppo(ucfg, layer_update="concurrent"), layers=layers)
+    lora, opt, met = update_agents(base, CFG, u, state.lora, state.lora_opt, batch, jnp.ones(N, bool))
+    o_lora, o_opt, happo = state.lora, state.lora_opt, jnp.ones(S * B)
+    for layer in layers:
+        incoming, happo = happo, jnp.ones(S * B)
+        new_lora, new_opt = o_lora, o_opt
+        for a in layer:
+            one_lora, one_opt, out = _oracle_agent_step(base, o_lora, o_opt, a, batch, ucfg, incoming)
+            new_lora = jax.tree.map(lambda full, x: full.at[a].set(x[a]), new_lora, one_lora)
+            new_opt = jax.tree.map(lambda full, x: full.at[a].set(x[a]), new_opt, one_opt)
+            happo = happo * (out / incoming)                  # this agent's ratio
+        o_lora, o_opt, happo = new_lora, new_opt, incoming * happo
+    _close(lora, o_lora)
+    _close(opt, o_opt)
+    np.testing.assert_array_equal(np.asarray(met["updated"]), np.ones(N, np.float32))
+    # the wide layer's second agent trains on another factor than in the one-after-another scan
+    a = next(layer for layer in layers if len(layer) > 1)[1]
+    seq = update_agents(base, CFG, dataclasses.replace(ucfg, layers=layers), state.lora, state.lora_opt,
+                        batch, jnp.ones(N, bool))
+    assert not np.allclose(np.asarray(seq[0].b["q_proj"][a]), np.asarray(lora.b["q_proj"][a]))
+
+
+def test_in_order_follows_the_layers_when_they_interleave():
+    """Layers ((0, 2), (1,)): the scan updates agents 0, 2, 1, the factor carried in that order."""
+    base, state, batch, ucfg = _setup()
+    u = dataclasses.replace(ucfg, layers=((0, 2), (1,)))
+    lora, opt, _ = update_agents(base, CFG, u, state.lora, state.lora_opt, batch, jnp.ones(N, bool))
+    o_lora, o_opt, happo = state.lora, state.lora_opt, jnp.ones(S * B)
+    for a in (0, 2, 1):
+        o_lora, o_opt, happo = _oracle_agent_step(base, o_lora, o_opt, a, batch, ucfg, happo)
+    _close(lora, o_lora)
+    _close(opt, o_opt)
+
+
 def test_interval_changes_only_agent_k():
     base, state, batch, ucfg = _setup()
     ucfg = _with_ppo(ucfg, agent_schedule="interval")

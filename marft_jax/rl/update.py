@@ -6,7 +6,12 @@ Schedules (reference §8):
   with its own optimizer state (both stacked on the agent axis and passed as scan ``xs``). With
   ``happo_weighting`` the carry holds the per-(step, row) factor
   ``M^m = Π_{l<m} clip(exp(ℓ^l_after − ℓ^l_old), 1 ± ε_M)`` of the agents already updated in
-  this scan, and agent m trains on ``M^m · Â``.
+  this scan, and agent m trains on ``M^m · Â``. The scan follows the team graph's layers
+  (``UpdateConfig.layers``, execution order); ``ppo.layer_update`` says how the agents of one
+  layer update: ``in_order`` (one after another, each carrying the factor on) or
+  ``concurrent`` (``vmap`` over the layer's agents, all from the layer's incoming factor; the
+  next layer gets it times the product of the layer's ratios). Layers are padded to the widest
+  with slots that neither train nor change the factor (:func:`layer_table`).
 * ``concurrent``: every agent is updated from the same minibatch at once (``vmap`` over agents).
 * ``interval``: the same scan, but only the agents flagged in ``train_mask`` change (G1 trains
   one agent per span of env samples); the others keep bit-identical parameters and state.
@@ -26,6 +31,7 @@ import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from marft_jax.config import AlgoConfig, OptimConfig, PPOConfig, RolloutConfig
@@ -51,6 +57,9 @@ class UpdateConfig:
     algo: AlgoConfig = AlgoConfig()
     rollout: RolloutConfig = RolloutConfig()
     total_updates: int = 1              # optimizer steps of the run: the cosine schedule's length
+    # The team graph's layers (Topology.layers), in execution order; None: one agent per layer
+    # in index order (the chain).
+    layers: tuple[tuple[int, ...], ...] | None = None
     chunk: int = 128
     remat: bool | str | None = None     # decoder.REMAT_POLICIES name; None: auto (decoder.resolve_remat)
 
@@ -201,6 +210,26 @@ def _without_agent_axis(tree):
     return jax.tree.map(lambda x: x[0], tree)
 
 
+def layer_table(layers: tuple[tuple[int, ...], ...] | None, num_agents: int, layer_update: str) -> np.ndarray:
+    """The sequential scan's agent slots: ``[scan steps, width]`` int32 agent indices.
+
+    ``in_order``: one agent per scan step, the layers' agents in execution order (width 1).
+    ``concurrent``: one layer per scan step, padded to the widest layer with ``num_agents`` (a
+    slot that neither trains nor changes the HAPPO factor). ``layers=None``: one agent per layer.
+    """
+    if layers is None:
+        layers = tuple((i,) for i in range(num_agents))
+    agents = sorted(i for layer in layers for i in layer)
+    if agents != list(range(num_agents)):
+        raise ValueError(f"the team graph's layers {layers} do not hold agents 0 .. {num_agents - 1} once each")
+    if layer_update == "in_order":
+        return np.asarray([i for layer in layers for i in layer], np.int32)[:, None]
+    if layer_update != "concurrent":
+        raise ValueError(f"ppo.layer_update must be 'in_order' or 'concurrent', got {layer_update!r}")
+    width = max(len(layer) for layer in layers)
+    return np.asarray([list(layer) + [num_agents] * (width - len(layer)) for layer in layers], np.int32)
+
+
 def update_agents(base, cfg: ModelConfig, ucfg: UpdateConfig, lora: LoraStack, lora_opt, mb: UpdateBatch,
                   train_mask: jax.Array, packed: tuple[PackedRows, jax.Array] | None = None):
     """Update every agent on one minibatch by ``ucfg.agent_schedule``. Returns new (lora, opt, metrics[N]).
@@ -225,6 +254,10 @@ def update_agents(base, cfg: ModelConfig, ucfg: UpdateConfig, lora: LoraStack, l
 
     num_agents = train_mask.shape[0]
     use_happo = ucfg.agent_schedule == "sequential" and ucfg.happo_weighting and num_agents > 1
+    layer_update = ucfg.ppo.layer_update if ucfg.ppo.agent_schedule == "sequential" else "in_order"
+    table = layer_table(ucfg.layers, num_agents, layer_update)
+    if not np.array_equal(table, np.arange(num_agents)[:, None]):
+        return _update_layers(base, cfg, ucfg, lora, lora_opt, per_agent, train_mask, table, use_happo)
 
     def body(happo, xs):
         index, lora_a, opt_a, d, flag = xs
@@ -240,6 +273,63 @@ def update_agents(base, cfg: ModelConfig, ucfg: UpdateConfig, lora: LoraStack, l
     xs = (jnp.arange(num_agents), lora, lora_opt, per_agent, train_mask)
     _, (new_lora, new_opt, met) = jax.lax.scan(body, ones, xs)
     return new_lora, new_opt, met
+
+
+def _update_layers(base, cfg, ucfg, lora, lora_opt, per_agent: dict, train_mask, table: np.ndarray,
+                   use_happo: bool):
+    """The sequential scan over the slots of :func:`layer_table` (``[steps, width]``).
+
+    Each scan step gathers its slots' adapters, optimizer states and data (a padded slot reads
+    the last agent's and does not train), updates them from the same incoming factor (``vmap``
+    over the slots when ``width > 1``), and multiplies the factor by the product of the real
+    slots' ratios. The new slices leave the scan as ``[steps, width, ...]`` and are scattered back
+    onto the agent axis (padded slots dropped). Every agent sits in exactly one slot.
+    """
+    num_agents = train_mask.shape[0]
+    steps, width = table.shape
+    slots = jnp.asarray(table)
+    real = slots < num_agents                                                    # [steps, width]
+    take = lambda tree, idx: jax.tree.map(lambda x: jnp.take(x, idx, axis=0, mode="clip"), tree)
+    num_rows = per_agent["act_tokens"].shape[1]
+
+    def one(lora_a, opt_a, d, happo, flag):
+        return _agent_update(base, cfg, ucfg, lora_a, opt_a, d, happo, flag)
+
+    def ratio(lora_a, d):
+        return _happo_factor(base, cfg, ucfg, _with_agent_axis(lora_a), d)
+
+    def body(happo, xs):
+        index, idx, is_real = xs
+        lora_w, opt_w, d_w = take(lora, idx), take(lora_opt, idx), take(per_agent, idx)
+        flags = jnp.take(train_mask, idx, mode="clip") & is_real
+        if width == 1:
+            first = lambda tree: jax.tree.map(lambda x: x[0], tree)
+            out = one(first(lora_w), first(opt_w), first(d_w), happo, flags[0])
+            new_lora, new_opt, met = _with_agent_axis(out)
+        else:
+            new_lora, new_opt, met = jax.vmap(one, in_axes=(0, 0, 0, None, 0))(lora_w, opt_w, d_w, happo, flags)
+        if use_happo:
+            def factor(h):
+                if width == 1:
+                    return h * ratio(_without_agent_axis(new_lora), _without_agent_axis(d_w))
+                r = jax.vmap(ratio)(new_lora, d_w)                               # [width, R]
+                return h * jnp.prod(jnp.where(is_real[:, None], r, 1.0), axis=0)
+            # The last step's factor would only feed agents after it: skip its extra forwards.
+            happo = jax.lax.cond(index < steps - 1, factor, lambda h: h, happo)
+        return happo, (new_lora, new_opt, met)
+
+    xs = (jnp.arange(steps), slots, real)
+    _, out = jax.lax.scan(body, jnp.ones((num_rows,), jnp.float32), xs)
+    flat = slots.reshape(-1)
+
+    def scatter(full, ys):
+        ys = ys.reshape((steps * width,) + ys.shape[2:])
+        return full.at[flat].set(ys, mode="drop")
+
+    new_lora, new_opt, met = out
+    met_full = jax.tree.map(lambda y: jnp.zeros((num_agents,) + y.shape[2:], y.dtype), met)
+    return (jax.tree.map(scatter, lora, new_lora), jax.tree.map(scatter, lora_opt, new_opt),
+            jax.tree.map(scatter, met_full, met))
 
 
 def critic_values(critic: CriticParams, base, cfg: ModelConfig, ucfg: UpdateConfig, mb: UpdateBatch):

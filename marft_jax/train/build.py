@@ -87,12 +87,14 @@ def remat_policy(cfg: Config) -> str | None:
     return {"true": "full", "false": "none"}.get(str(r).lower(), str(r))
 
 
-def update_config(cfg: Config) -> UpdateConfig:
-    """The update's sections, the run's optimizer-step count (the cosine schedule's length) and
-    the remat policy."""
+def update_config(cfg: Config, graph: topology.Topology | None = None) -> UpdateConfig:
+    """The update's sections, the run's optimizer-step count (the cosine schedule's length), the
+    remat policy and the team graph's layers (the order of the agent-by-agent update; None: the
+    chain's)."""
     updates = cfg.train.iterations * cfg.ppo.epochs * cfg.ppo.num_minibatches
     return UpdateConfig(ppo=cfg.ppo, optim=cfg.optim, algo=cfg.algo, rollout=cfg.rollout,
-                        total_updates=max(updates, 1), remat=remat_policy(cfg))
+                        total_updates=max(updates, 1), remat=remat_policy(cfg),
+                        layers=None if graph is None else graph.layers)
 
 
 @dataclasses.dataclass
@@ -149,7 +151,7 @@ def build_run(cfg: Config) -> Run:
         sampler=sampler,
         team=team, score_fn=pool.score,
         rollout_cfg=cfg.rollout,
-        update_cfg=update_config(cfg),
+        update_cfg=update_config(cfg, team.topology),
         adv_cfg=AdvantageConfig(algo=cfg.algo, ppo=cfg.ppo, rollout=cfg.rollout,
                                 independent=team.topology.independent, topology=team.topology,
                                 layer_links=team.layer_links, share_prefixes=share),
