@@ -4,6 +4,7 @@ mixture (2 proposers + aggregator) and a debate (2 debaters, 2 steps), action an
 with empty responses, terminal and truncated steps; the chain table is the default call bit for
 bit."""
 
+import dataclasses
 import functools
 
 import jax
@@ -271,9 +272,15 @@ def test_table_errors_name_the_problem():
         backups.marft_gae(*args, gamma=1.0, lam=1.0, impl="scan", links=DEBATE, reference_semantics=True)
     with pytest.raises(ValueError, match="3 agent"):
         backups.marft_gae(*args, gamma=1.0, lam=1.0, impl="scan", links=MIXTURE)
-    with pytest.raises(ValueError, match="independent_gae"):
+    with pytest.raises(ValueError, match=r"v_boot \[B, N\]"):     # each agent's own bootstrap value
         backups.marft_gae(*args, gamma=1.0, lam=1.0, impl="scan",
                           links=topo.named("independent", ("a", "b")).links(2))
+    with pytest.raises(ValueError, match="reference_semantics"):
+        backups.marft_gae(*args[:-1], jnp.zeros((1, 2)), gamma=1.0, lam=1.0, impl="scan",
+                          links=topo.named("independent", ("a", "b")).links(2), reference_semantics=True)
+    not_own = dataclasses.replace(topo.per_agent_links(2, 2), succ=np.array([[3, 2], [4, 4]]))
+    with pytest.raises(ValueError, match="itself"):
+        backups.marft_gae(*args[:-1], jnp.zeros((1, 2)), gamma=1.0, lam=1.0, impl="scan", links=not_own)
     loop = _table([[1, 0]], [[1, 0]], [[0, 0]], [[0, 0]])
     with pytest.raises(ValueError, match="cycle"):
         backups.link_plan(loop)

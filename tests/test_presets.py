@@ -249,3 +249,12 @@ def test_critic_lora_with_a_joint_history_graph_names_both_keys():
     with pytest.raises(ConfigError, match=r"ppo\.critic_lora.*math/mixture-short.*team\.graph"):
         build_team(load_config("demo-mixture", ["ppo.critic_lora=true"]))
     assert build_team(load_config("demo", ["ppo.critic_lora=true"])).topology.is_chain
+
+
+def test_reference_semantics_with_the_independent_graph_names_both_keys():
+    """G1's chained masks have no meaning on per-agent links (the backup refuses them too)."""
+    from marft_jax.train.build import build_team
+
+    for over in (["rollout.mode=parallel"], ["team.graph=independent"]):
+        with pytest.raises(ConfigError, match=r"algo\.reference_semantics.*independent graph.*rollout\.mode"):
+            build_team(load_config("demo", over + ["algo.reference_semantics=true"]))

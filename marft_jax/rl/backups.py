@@ -74,7 +74,11 @@ first valid point of its *successor* chunk instead of the next one in execution 
 (several responses may share one); chunks without valid points forward the link through their
 skip target; the link is cut where it leaves a terminal step. Every implementation above
 solves it (:func:`_solve_linked`; native: a second kernel handler). The chain table
-(``kind="chain"``) is the recurrence above, the very same program.
+(``kind="chain"``) is the recurrence above, the very same program. The independent graph's
+table (``kind="per_agent"``, :func:`~marft_jax.rl.topology.per_agent_links`: agent i's
+response links to agent i's at the next step) ends each agent's sequence at its own bootstrap
+value (``v_boot`` ``[B, N]``) and is solved per agent sequence (:func:`_per_agent_gae`; native:
+the kernel's per-agent mode), the former independent-PPO program.
 
 The batch axis carries no dependency, so it may be sharded (``NamedSharding`` with
 ``P(None, "data")`` on ``[S, B, ...]`` inputs); outputs keep that sharding (XLA
@@ -91,7 +95,7 @@ import numpy as np
 from jax import lax
 
 from marft_jax.rl import layout, native
-from marft_jax.rl.topology import LinkTable
+from marft_jax.rl.topology import LinkTable, per_agent_links
 
 IMPLS = ("auto", "scan", "associative", "blocked", "native")
 
@@ -679,7 +683,8 @@ def marft_gae(
       step_mask: ``[S, B]`` bool, step played (a prefix per row).
       terminal: ``[S, B]`` bool, episode ended at s by termination (no bootstrap).
       truncated: ``[S, B]`` bool, episode ended at s by a step cap (bootstrap from ``v_boot``).
-      v_boot: ``[B]`` float, critic value at agent 0's context of step s*+1.
+      v_boot: ``[B]`` float, critic value at agent 0's context of step s*+1 (``[B, N]``, each
+        agent's value at its own next-step context, with a ``kind="per_agent"`` table).
       gamma, lam: discount and GAE lambda (action default 0.99 / 0.95, token 1 / 1).
       impl: ``"auto"`` | ``"scan"`` | ``"associative"`` | ``"blocked"`` | ``"native"``
         (module doc).
@@ -692,8 +697,10 @@ def marft_gae(
         point of its successor chunk, resolved through the skip targets past responses
         without valid points; the link is cut iff it or a skip on the way leaves a terminal
         step; several responses may share a successor (:func:`_solve_linked`). Bootstrap as
-        above; ``reference_semantics`` applies to the chain only. ``kind="per_agent"`` is
-        :func:`independent_gae`.
+        above; ``reference_semantics`` applies to the chain only. ``kind="per_agent"`` (the
+        independent graph): agent i's last valid point of step s links to agent i's first
+        valid point of a later step (cut after a terminal step), each agent's sequence ending
+        at its own ``v_boot[:, i]`` (:func:`independent_gae`).
 
     Returns:
       :class:`Backup` ``(advantages, returns)``, float32, shaped like ``value``, zero on invalid
@@ -701,11 +708,15 @@ def marft_gae(
     """
     level = layout.level_of(value)
     dims = _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level)
-    layout.assert_layout(v_boot, "v_boot", (layout.BATCH,), sizes=dims)
     impl = resolve_impl(impl)
     if links is not None and (links.num_steps, links.num_agents) != (dims[layout.STEP], dims[layout.AGENT]):
         raise ValueError(f"the link table is for {links.num_steps} step(s) x {links.num_agents} agent(s), the "
                          f"backup's inputs are {dims[layout.STEP]} x {dims[layout.AGENT]}")
+    if links is not None and links.kind == "per_agent":
+        return _per_agent_gae(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, links, dims,
+                              gamma=gamma, lam=lam, impl=impl, unroll=unroll,
+                              reference_semantics=reference_semantics)
+    layout.assert_layout(v_boot, "v_boot", (layout.BATCH,), sizes=dims)
     if links is not None and links.kind != "chain":
         return _marft_gae_linked(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, links,
                                  gamma=gamma, lam=lam, impl=impl,
@@ -726,8 +737,6 @@ def marft_gae(
 def _marft_gae_linked(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, links: LinkTable, *,
                       gamma, lam, impl, reference_semantics) -> Backup:
     """:func:`marft_gae` along a ``kind="table"`` link table (``impl`` resolved)."""
-    if links.kind == "per_agent":
-        raise ValueError("a per-agent link table is independent PPO: call independent_gae")
     if links.kind != "table":
         raise ValueError(f"unknown link table kind {links.kind!r}")
     if reference_semantics:
@@ -804,7 +813,8 @@ def independent_gae(
     impl: str = "auto",
     unroll: int = 1,
 ) -> Backup:
-    """Independent-PPO backup: each agent's own sequence of decision points over steps.
+    """Independent-PPO backup: each agent's own sequence of decision points over steps
+    (:func:`marft_gae` along the independent graph's table, ``topology.per_agent_links``).
 
     Agent i's last valid point of step s links to agent i's first valid point of a later step
     (factor ``e_s = 1 - terminal_s``), never to another agent. Terminal/truncated semantics as
@@ -820,10 +830,25 @@ def independent_gae(
     Returns:
       :class:`Backup` in the input layout, float32, zero on invalid points.
     """
-    level = layout.level_of(value)
-    dims = _check_inputs(reward, value, dp_mask, step_mask, terminal, truncated, level)
+    links = per_agent_links(value.shape[layout.STEP_AXIS], value.shape[layout.AGENT_AXIS])
+    return marft_gae(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, gamma=gamma, lam=lam,
+                     impl=impl, unroll=unroll, links=links)
+
+
+def _per_agent_gae(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, links: LinkTable, dims, *,
+                   gamma, lam, impl, unroll, reference_semantics) -> Backup:
+    """:func:`marft_gae` along a ``kind="per_agent"`` table (``impl`` resolved): each agent's own
+    sequence of decision points over the steps, ending at its own bootstrap value."""
+    if links != per_agent_links(links.num_steps, links.num_agents):
+        raise ValueError("a kind='per_agent' link table must link each agent to itself at the next step "
+                         "(topology.per_agent_links)")
+    if reference_semantics:
+        raise ValueError("reference_semantics (G1's chained masks) applies to the chain links only, not to "
+                         "the independent graph's per-agent links")
+    if v_boot.ndim != 2:
+        raise ValueError(f"a per-agent link table (the independent graph) takes v_boot [B, N], each agent's "
+                         f"own bootstrap value; got shape {tuple(v_boot.shape)}")
     layout.assert_layout(v_boot, "v_boot", (layout.BATCH, layout.AGENT), sizes=dims)
-    impl = resolve_impl(impl)
     if impl == "native":
         return _native(reward, value, dp_mask, step_mask, terminal, truncated,
                        layout.flatten_agents(v_boot), independent=True, reference_semantics=False,

@@ -102,6 +102,16 @@ class LinkTable:
         return isinstance(other, LinkTable) and self._key() == other._key()
 
 
+def per_agent_links(num_steps: int, num_agents: int) -> LinkTable:
+    """The independent graph's table: agent i's response at step s links to agent i's at step
+    s+1 (the last step: to the end), every link leaving its step (cut when the step is terminal).
+    Each agent's sequence ends at its own bootstrap value (``backups.marft_gae``)."""
+    S, N = num_steps, num_agents
+    c = np.arange(S * N).reshape(S, N)
+    nxt = np.where(np.arange(S)[:, None] < S - 1, c + N, S * N)
+    return LinkTable("per_agent", nxt, nxt.copy(), np.ones((S, N), bool), np.ones((S, N), bool))
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """A team's dependency graph.
@@ -162,12 +172,10 @@ class Topology:
         if layer_links not in LAYER_LINKS:
             raise ValueError(f"team.layer_links must be one of {LAYER_LINKS}, got {layer_links!r}")
         S, N = num_steps, self.num_agents
+        if self.independent:
+            return per_agent_links(S, N)
         end = S * N
         c = np.arange(end).reshape(S, N)
-        s_idx = np.broadcast_to(np.arange(S)[:, None], (S, N))
-        if self.independent:
-            nxt = np.where(s_idx < S - 1, c + N, end)
-            return LinkTable("per_agent", nxt, nxt.copy(), np.ones((S, N), bool), np.ones((S, N), bool))
         chained = np.minimum(c + 1, end)
         chain_cross = np.broadcast_to(np.arange(N) == N - 1, (S, N)).copy()
         if layer_links == "chain" or len(self.layers) == N:

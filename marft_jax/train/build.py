@@ -69,6 +69,10 @@ def build_team(cfg: Config) -> Team:
         raise ConfigError(f"algo.reference_semantics (G1's chained masks) needs chained links, but "
                           f"team.layer_links={cfg.team.layer_links!r} on the team graph of profile {prof.name!r} "
                           "links the agents of a layer to a shared successor; set one of them back")
+    if cfg.algo.reference_semantics and graph.independent:
+        raise ConfigError(f"algo.reference_semantics (G1's chained masks) needs chained links, but the "
+                          f"independent graph (team.graph={cfg.team.graph!r}, rollout.mode={cfg.rollout.mode!r}) "
+                          "links each agent to itself; set one of them back")
     return Team(roles=prof.roles, system_prompts=prof.system_prompts, answer_agent=answer, topology=graph,
                 layer_links=cfg.team.layer_links)
 
