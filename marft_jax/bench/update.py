@@ -306,7 +306,7 @@ class G1Baseline:
 
     def step(self) -> float:
         torch = self.torch
-        u = self.ucfg
+        u = self.ucfg.ppo
         N, B, L = self.ctx.shape
         bd = {k: 0.0 for k in self.breakdown}
         t_start = time.perf_counter()
