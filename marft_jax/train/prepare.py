@@ -9,6 +9,14 @@ training forward instead (same kernels as the update; the ratio is then exactly 
 sampler's disagreement as ``rollout/logp_mismatch`` (reference §3). Critic features come from one
 base-only forward over *packed* sequences (:mod:`marft_jax.rl.packing`: work follows the valid
 tokens, not the context bucket) and are reused by every PPO epoch (§5).
+
+The host only plans: it packs the sequences (the packed shapes come from the lengths) and
+uploads the rows, gather indices and trajectory arrays once. Everything after that is one
+jitted program (:func:`_values_and_backups`: feature pass, value head, bootstrap values, placed
+rewards, backups), and the metrics read its results with one transfer at the end. The recompute
+forward (``logp_old="recompute"``) is a second jitted program, dispatched before it with its
+results left on the device: as two programs, the peak memory is the larger of the two passes'
+rather than what one schedule of both could keep live together.
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -63,9 +72,8 @@ class PrepareShapes:
     logprobs: packing.ShapePolicy = dataclasses.field(default_factory=packing.ShapePolicy)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
 @jax.named_scope("prepare/critic_features")
-def _packed_hidden_at(base, critic_lora, rows: tuple[packing.PackedRows, ...], gather, *, cfg: ModelConfig):
+def _packed_hidden_at_fn(base, critic_lora, rows: tuple[packing.PackedRows, ...], gather, *, cfg: ModelConfig):
     """Base (+ critic LoRA) hidden states of packed rows, one ``[C_c, r_c, T_c]`` per length class
     (``C_c`` calls of ``r_c`` rows, run one after another), read at ``gather [G, P]`` flat
     indices (classes end to end) -> ``[G, P, H]``."""
@@ -78,18 +86,72 @@ def _packed_hidden_at(base, critic_lora, rows: tuple[packing.PackedRows, ...], g
     return jnp.take(hidden, gather, axis=0)
 
 
+_packed_hidden_at = jax.jit(_packed_hidden_at_fn, static_argnames=("cfg",))
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "chunk"))
 @jax.named_scope("prepare/old_logprobs")
 def _packed_logprobs(base, lora: LoraStack, rows: packing.PackedRows, gather, act_tokens, act_valid, temperature,
                      *, cfg: ModelConfig, chunk: int):
-    """Every agent's old log-probs from packed rows: rows ``[N, R_c, T_c]`` per class, gather / actions
-    ``[N, n, K]`` -> ``(logp, entropy)`` ``[N, n, K]`` (agent ``i`` with its own adapter)."""
+    """Every agent's old log-probs from packed rows: rows ``[N, R_c, T_c]`` per class, gather
+    ``[N, n, K]``, actions ``[S, B, N, K]`` (``n = S*B``) -> ``(logp, entropy)`` ``[S, B, N, K]``
+    (agent ``i`` with its own adapter)."""
     def one(xs):
         i, r, g, a, av = xs
         return lp_lib.packed_action_logprobs_fn(base, lora, i, r, g, a, av, temperature, cfg=cfg, chunk=chunk)
 
     agents = jnp.arange(gather.shape[0], dtype=jnp.int32)
-    return jax.lax.map(one, (agents, rows, gather, act_tokens, act_valid))
+    out = jax.lax.map(one, (agents, rows, gather, layout.agent_major(act_tokens), layout.agent_major(act_valid)))
+    return jax.tree.map(lambda x: layout.from_agent_major(x, act_tokens.shape[:2]), out)
+
+
+@flax.struct.dataclass
+class _BackupInputs:
+    """The trajectory arrays the device program reads (S steps, B rows, N agents, K action
+    slots, L context slots): ``act_valid [S, B, N, K]`` bool, ``step_mask``, ``terminal``,
+    ``truncated`` ``[S, B]`` bool, ``score [S, B]`` and ``agent_score [S, B, N]`` float32,
+    ``boot_ctx_valid [B, N, L]`` bool."""
+
+    act_valid: jax.Array
+    step_mask: jax.Array
+    score: jax.Array
+    agent_score: jax.Array
+    terminal: jax.Array
+    truncated: jax.Array
+    boot_ctx_valid: jax.Array
+
+
+@flax.struct.dataclass
+class _Prepared:
+    """The device program's results: ``feats [S, B, N, (K,) H]`` (parameter dtype), ``value``
+    (masked to the decision points), ``dp`` (the decision points), ``placed`` (rewards),
+    ``adv``, ``ret``, all ``[S, B, N]`` or ``[S, B, N, K]``; ``v_boot [B, N]`` float32 (0 where
+    the row does not bootstrap)."""
+
+    feats: jax.Array
+    value: jax.Array
+    v_boot: jax.Array
+    dp: jax.Array
+    placed: jax.Array
+    adv: jax.Array
+    ret: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "acfg", "n_main"))
+def _values_and_backups(base, critic: CriticParams, calls: tuple[packing.PackedRows, ...], gather,
+                        x: _BackupInputs, *, cfg: ModelConfig, acfg: AdvantageConfig, n_main: int) -> _Prepared:
+    """The feature pass over the packed rows (``calls``, ``gather``: :func:`feature_inputs`, the
+    first ``n_main`` gathered sequences the decision points, then the bootstrap contexts), the
+    value head, the bootstrap values and the backup, in one program."""
+    S, B, N, K = x.act_valid.shape
+    out = _packed_hidden_at_fn(base, critic.lora, calls, gather, cfg=cfg)
+    feats = layout.unflatten_responses(out[:n_main] if acfg.algo.token_level else out[:n_main, 0], (S, B, N))
+    boot = layout.unflatten_agents(out[n_main:, 0], N)
+    v_boot = jnp.where(x.boot_ctx_valid.any(-1), value_head(critic.head, boot), 0.0).astype(jnp.float32)
+    value, dp, placed, adv, ret = _advantages_fn(
+        value_head(critic.head, feats), x.act_valid, x.step_mask, x.score, x.agent_score, x.terminal,
+        x.truncated, v_boot, acfg=acfg)
+    return _Prepared(feats=feats, value=value, v_boot=v_boot, dp=dp, placed=placed, adv=adv, ret=ret)
 
 
 def _calls(rows: packing.PackedRows, per_call: int) -> packing.PackedRows:
@@ -110,7 +172,13 @@ def _host(x) -> np.ndarray:
 
 
 def _place_rows(placement, tree, axis: int):
-    return jax.tree.map(jnp.asarray, tree) if placement is None else placement.tree_rows(tree, axis)
+    """Host arrays on the device, split over the placement's row shards on ``axis``."""
+    return jax.device_put(tree) if placement is None else placement.tree_rows(tree, axis)
+
+
+def _upload(placement, tree):
+    """Host arrays on the device in one transfer (replicated over the mesh with a placement)."""
+    return jax.device_put(tree) if placement is None else placement.replicate(tree)
 
 
 def feature_inputs(traj: Trajectory, *, token_level: bool, tokens_per_call: int, policy: packing.ShapePolicy,
@@ -152,7 +220,7 @@ def feature_inputs(traj: Trajectory, *, token_level: bool, tokens_per_call: int,
     read = K if token_level else 1
     classes, gather = packing.pack_group(seqs, np.maximum(n_ctx - 1, 0), read, shape, units=units)
     calls = tuple(_place_rows(placement, _calls(rows, p), 1) for rows, p in zip(classes, per_call))
-    gather = jnp.asarray(gather) if placement is None else placement.replicate(gather)
+    gather = _upload(placement, gather)
     stats = {"valid_tokens": int(sum(len(x) for x in seqs)), "unique_tokens": int(sum(len(u.tokens) for u in units)),
              "computed_tokens": packing.shape_slots(shape)}
     return calls, gather, n_main, stats
@@ -178,27 +246,33 @@ def critic_features(base, critic: CriticParams, traj: Trajectory, *, cfg: ModelC
 
 
 def recompute_logprobs(base, lora: LoraStack, traj: Trajectory, *, cfg: ModelConfig, temperature: float,
-                       chunk: int, policy: packing.ShapePolicy,
-                       placement=None, share: bool = False) -> tuple[np.ndarray, np.ndarray, dict]:
-    """The training forward's log-probs and entropies ``[S, B, N, K]`` of every action (packed;
-    ``share``: shared step prefixes, as the update)."""
+                       chunk: int, policy: packing.ShapePolicy, placement=None, share: bool = False,
+                       actions: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array, dict]:
+    """The training forward's log-probs and entropies ``[S, B, N, K]`` of every action, left on
+    the device (packed; ``share``: shared step prefixes, as the update). ``actions``: the
+    trajectory's ``(act_tokens, act_valid)`` already on the device (uploaded here when None)."""
     S, B, N, L, K = traj.shape
     perms = np.arange(B, dtype=np.int32)[None, None]
     plan, stats = packing.plan_update(np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid),
                                       np.asarray(traj.act_tokens), np.asarray(traj.act_valid), perms,
                                       micro_batches=1, policy=policy, share=share)
-    per_agent = lambda x: jnp.asarray(layout.agent_major(np.asarray(x)))
+    if actions is None:
+        actions = _upload(placement, (np.asarray(traj.act_tokens), np.asarray(traj.act_valid)))
+    gather = plan.gather[0, 0]                   # [N, S*B, K]
     logp, ent = _packed_logprobs(base, lora, _place_rows(placement, jax.tree.map(lambda x: x[0, 0], plan.rows), 1),
-                                 jnp.asarray(plan.gather[0, 0]), per_agent(traj.act_tokens),
-                                 per_agent(traj.act_valid), temperature, cfg=cfg, chunk=chunk)
-    back = lambda x: layout.from_agent_major(_host(x), (S, B))
-    return back(logp), back(ent), stats
+                                 _upload(placement, gather),
+                                 *actions, temperature, cfg=cfg, chunk=chunk)
+    return logp, ent, stats
 
 
 def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Trajectory, *,
                          cfg: ModelConfig, acfg: AdvantageConfig, shapes: PrepareShapes | None = None,
                          keep_contexts: bool = False, placement=None) -> tuple[UpdateBatch, dict]:
     """Old log-probs, features and values, placed rewards, the backup.
+
+    The host plans the packed shapes and uploads the trajectory once; the device part is one
+    jitted program (:func:`_values_and_backups`), after the recompute forward's with
+    ``logp_old="recompute"``; the metrics read its results in one transfer at the end.
 
     Args:
       shapes: the run's packed-shape caches (a fresh one per call when None: more compiles).
@@ -214,48 +288,49 @@ def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Traj
         raise ValueError("a critic LoRA (ppo.critic_lora) cannot train on a trajectory whose critic contexts "
                          "differ from the policy contexts (a non-chain team graph)")
     shapes = shapes or PrepareShapes()
-    token_level = acfg.algo.token_level
-    valid, unique, computed = 0, 0, 0
     from_sampler = acfg.ppo.logp_old == "sampler" and traj.policy_logp is not None
+    # Host: the feature pass's packing plan, then every trajectory array the device reads, uploaded once.
+    calls, gather, n_main, stats = feature_inputs(traj, token_level=acfg.algo.token_level,
+                                                  tokens_per_call=acfg.tokens_per_call, policy=shapes.features,
+                                                  placement=placement, share=acfg.share_prefixes)
+    host = {"act_tokens": traj.act_tokens, "word_count": traj.word_count,
+            "backup": _BackupInputs(act_valid=traj.act_valid, step_mask=traj.step_mask, score=traj.score,
+                                    agent_score=traj.agent_score, terminal=traj.terminal,
+                                    truncated=traj.truncated, boot_ctx_valid=traj.boot_ctx_valid)}
     if from_sampler:
-        logp, ent = np.asarray(traj.policy_logp), np.asarray(traj.entropy)
-    else:
-        logp, ent, st = recompute_logprobs(base, lora, traj, cfg=cfg, temperature=acfg.rollout.temperature,
-                                           chunk=acfg.chunk, policy=shapes.logprobs, placement=placement,
-                                           share=acfg.share_prefixes)
-        valid, unique, computed = valid + st["valid_tokens"], unique + st["unique_tokens"], computed + st["computed_tokens"]
-    feats, boot_feats, st = critic_features(base, critic, traj, cfg=cfg, token_level=token_level,
-                                            tokens_per_call=acfg.tokens_per_call, policy=shapes.features,
-                                            placement=placement, share=acfg.share_prefixes)
-    valid, unique, computed = valid + st["valid_tokens"], unique + st["unique_tokens"], computed + st["computed_tokens"]
-    value = np.asarray(value_head(critic.head, jnp.asarray(feats)))
-    v_boot = np.where(np.asarray(traj.boot_ctx_valid).any(-1),
-                      np.asarray(value_head(critic.head, jnp.asarray(boot_feats))), 0.0).astype(np.float32)
-
-    act_valid = jnp.asarray(traj.act_valid)
-    value, dp, placed, adv, ret = _advantages(
-        jnp.asarray(value), act_valid, jnp.asarray(traj.step_mask), jnp.asarray(traj.score),
-        jnp.asarray(traj.agent_score), jnp.asarray(traj.terminal), jnp.asarray(traj.truncated),
-        jnp.asarray(v_boot), acfg=acfg)
-    ctx = (jnp.asarray(traj.ctx_tokens), jnp.asarray(traj.ctx_valid)) if keep_contexts else (None, None)
-    batch = UpdateBatch(ctx_tokens=ctx[0], ctx_valid=ctx[1],
-                        act_tokens=jnp.asarray(traj.act_tokens), act_valid=act_valid,
-                        logp_old=jnp.asarray(logp), adv=adv, ret=ret, v_old=value, dp_mask=dp,
-                        feats=jnp.asarray(feats), word_count=jnp.asarray(traj.word_count))
-    metrics = _prepare_metrics(np.asarray(value), np.asarray(ret), np.asarray(dp), np.asarray(placed),
-                               None if from_sampler else logp, np.asarray(traj.sample_logp),
-                               np.asarray(traj.act_valid), ent)
-    metrics["perf/tokens/prepare/valid"] = valid
-    metrics["perf/tokens/prepare/unique"] = unique
-    metrics["perf/tokens/prepare/computed"] = computed
+        host["logp"] = traj.policy_logp
+    if keep_contexts:
+        host |= {"ctx_tokens": traj.ctx_tokens, "ctx_valid": traj.ctx_valid}
+    dev = _upload(placement, jax.tree.map(np.asarray, host))
+    act_valid = dev["backup"].act_valid
+    # Device: the recompute forward (its own program), then features, values and backups (one program).
+    if not from_sampler:
+        dev["logp"], entropy, st = recompute_logprobs(
+            base, lora, traj, cfg=cfg, temperature=acfg.rollout.temperature, chunk=acfg.chunk,
+            policy=shapes.logprobs, placement=placement, share=acfg.share_prefixes,
+            actions=(dev["act_tokens"], act_valid))
+        stats = {k: v + st[k] for k, v in stats.items()}
+    out = _values_and_backups(base, critic, calls, gather, dev["backup"], cfg=cfg, acfg=acfg, n_main=n_main)
+    batch = UpdateBatch(ctx_tokens=dev.get("ctx_tokens"), ctx_valid=dev.get("ctx_valid"),
+                        act_tokens=dev["act_tokens"], act_valid=act_valid, logp_old=dev["logp"], adv=out.adv,
+                        ret=out.ret, v_old=out.value, dp_mask=out.dp, feats=out.feats, word_count=dev["word_count"])
+    # Host: the metrics, from one transfer of the program's results.
+    got = _host({"value": out.value, "ret": out.ret, "dp": out.dp, "placed": out.placed}
+                | ({} if from_sampler else {"logp": dev["logp"], "entropy": entropy}))
+    metrics = _prepare_metrics(got["value"], got["ret"], got["dp"], got["placed"], got.get("logp"),
+                               np.asarray(traj.sample_logp), np.asarray(traj.act_valid),
+                               np.asarray(traj.entropy) if from_sampler else got["entropy"])
+    metrics["perf/tokens/prepare/valid"] = stats["valid_tokens"]
+    metrics["perf/tokens/prepare/unique"] = stats["unique_tokens"]
+    metrics["perf/tokens/prepare/computed"] = stats["computed_tokens"]
     return batch, metrics
 
 
-@functools.partial(jax.jit, static_argnames=("acfg",))
 @jax.named_scope("prepare/backups")
-def _advantages(value, act_valid, step_mask, score, agent_score, terminal, truncated, v_boot, *,
-                acfg: AdvantageConfig):
-    """Decision masks, placed rewards and the backup, in one jitted program."""
+def _advantages_fn(value, act_valid, step_mask, score, agent_score, terminal, truncated, v_boot, *,
+                   acfg: AdvantageConfig):
+    """Decision masks, placed rewards and the backup: ``(value masked to the decision points, dp,
+    placed, adv, ret)``."""
     token_level = acfg.algo.token_level
     dp = (layout.token_decision_mask(act_valid, step_mask) if token_level
           else layout.action_decision_mask(act_valid, step_mask))
@@ -276,6 +351,9 @@ def _advantages(value, act_valid, step_mask, score, agent_score, terminal, trunc
                                      gamma=acfg.algo.discount, lam=acfg.algo.gae_lambda,
                                      reference_semantics=acfg.algo.reference_semantics, links=links)
     return value, dp, placed, adv, ret
+
+
+_advantages = jax.jit(_advantages_fn, static_argnames=("acfg",))
 
 
 def _transform(r: jax.Array, algo: AlgoConfig) -> jax.Array:
