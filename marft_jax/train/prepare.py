@@ -1,5 +1,5 @@
 """From a rollout to the update batch: old log-probs, cached critic features, values,
-placed rewards and the chained (or independent) Bellman backups.
+placed rewards and the Bellman backups along the team graph's link table.
 
 ``logp_old`` comes from the sampler (``logp_old="sampler"``, the default): it returns each
 token's log-prob under the policy itself (full vocabulary, the training temperature, the same
@@ -50,18 +50,28 @@ class AdvantageConfig:
     algo: AlgoConfig = AlgoConfig()
     ppo: PPOConfig = PPOConfig()
     rollout: RolloutConfig = RolloutConfig()
-    independent: bool = False           # independent PPO: own rewards, no chaining
+    independent: bool = False           # independent learners (own rewards) without a topology object
     topology: topo.Topology | None = None   # the team graph (None: the chain)
     layer_links: str = "chain"          # the team's layer_links: chain | layer
     share_prefixes: bool = True         # a (row, agent)'s steps share their common prefix (packing)
     chunk: int = 128
     tokens_per_call: int = 4096         # packed slots per forward call (memory bound)
 
-    def links(self, num_steps: int) -> topo.LinkTable | None:
-        """The backup's link table for ``num_steps`` steps; None for the chain (no graph)."""
-        if self.topology is None or self.independent:
-            return None
-        return self.topology.links(num_steps, self.layer_links)
+    @property
+    def independent_learners(self) -> bool:
+        """Independent PPO: each agent learns from its own reward (``independent`` or the graph's)."""
+        return self.independent or (self.topology is not None and self.topology.independent)
+
+    def links(self, num_steps: int, num_agents: int | None = None) -> topo.LinkTable | None:
+        """The backup's link table for ``num_steps`` steps (independent learners: each agent linked
+        to itself, ``topology.per_agent_links``); None for the chain without a graph.
+        ``num_agents`` is read only without a topology."""
+        n = num_agents if self.topology is None else self.topology.num_agents
+        if self.independent_learners:
+            if n is None:
+                raise ValueError("AdvantageConfig.links: independent learners without a topology need num_agents")
+            return topo.per_agent_links(num_steps, n)
+        return None if self.topology is None else self.topology.links(num_steps, self.layer_links)
 
 
 @dataclasses.dataclass
@@ -335,21 +345,20 @@ def _advantages_fn(value, act_valid, step_mask, score, agent_score, terminal, tr
     dp = (layout.token_decision_mask(act_valid, step_mask) if token_level
           else layout.action_decision_mask(act_valid, step_mask))
     value = jnp.where(dp, value, 0.0)
-    if acfg.independent:
+    links = acfg.links(step_mask.shape[0], act_valid.shape[layout.AGENT_AXIS])          # static
+    if acfg.independent_learners:   # own rewards, one copy per agent; each agent's own bootstrap
         own = jax.vmap(lambda s: rewards.final_step_reward(s, step_mask), in_axes=2, out_axes=1)(agent_score)
         r = rewards.mix_independent_rewards(own, acfg.algo.ippo_own_weight)               # [B, N]
         r = _transform(r, acfg.algo)
         placed = rewards.place_reward(r, dp, step_mask, reward_to="all")
-        adv, ret = backups.independent_gae(placed, value, dp, step_mask, terminal, truncated, v_boot,
-                                           gamma=acfg.algo.discount, lam=acfg.algo.gae_lambda)
     else:
         r = rewards.final_step_reward(score, step_mask)                               # [B]
         r = _transform(r, acfg.algo)
-        links = acfg.links(step_mask.shape[0])                                         # static
         placed = rewards.place_reward(r, dp, step_mask, reward_to=acfg.algo.reward_to, links=links)
-        adv, ret = backups.marft_gae(placed, value, dp, step_mask, terminal, truncated, v_boot[:, 0],
-                                     gamma=acfg.algo.discount, lam=acfg.algo.gae_lambda,
-                                     reference_semantics=acfg.algo.reference_semantics, links=links)
+        v_boot = v_boot[:, 0]
+    adv, ret = backups.marft_gae(placed, value, dp, step_mask, terminal, truncated, v_boot,
+                                 gamma=acfg.algo.discount, lam=acfg.algo.gae_lambda,
+                                 reference_semantics=acfg.algo.reference_semantics, links=links)
     return value, dp, placed, adv, ret
 
 
