@@ -18,8 +18,7 @@ import pytest
 
 from marft_jax.config import ConfigError, DistSection, MeshSection
 
-# One worker runs the whole module (pytest-xdist loadgroup), so its session fixtures run once.
-pytestmark = pytest.mark.xdist_group("multidevice")
+# One worker runs the whole module (pytest-xdist --dist loadfile), so its session fixtures run once.
 
 ROOT = Path(__file__).resolve().parents[1]
 MESHES = ("8,1,1", "2,2,2", "1,4,2")

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.xdist_group("multidevice")
 
 ROOT = Path(__file__).resolve().parents[1]
 
