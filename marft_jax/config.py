@@ -381,6 +381,7 @@ def validate(cfg: Config) -> Config:
     need("train.eval_batch_size", cfg.train.eval_batch_size >= 1, ">= 1")
     need("train.eval_temperature", cfg.train.eval_temperature >= 0, ">= 0")
     need("train.scoring_workers", cfg.train.scoring_workers >= 0, ">= 0")
+    need("train.log_every", cfg.train.log_every >= 1, ">= 1")
     from marft_jax.train.metric_sinks import WANDB_MODES, logger_problem
 
     problem = logger_problem(cfg.train.loggers)

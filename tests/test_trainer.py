@@ -41,7 +41,8 @@ def _metrics(run_dir: Path) -> dict[int, dict]:
 def test_exact_resume_matches_uninterrupted_run(tiny_dir, tmp_path):
     from marft_jax.train.trainer import train
 
-    full = train(load_config("demo", tiny_overrides(tiny_dir, tmp_path, "full")))
+    # train.log_every=3 on the uninterrupted run: its iterations 1 (first), 3 and 4 (last) are logged
+    full = train(load_config("demo", tiny_overrides(tiny_dir, tmp_path, "full", **{"train.log_every": 3})))
     assert full["iterations"] == 4 and "accuracy_after" in full
     cut_cfg = load_config("demo", tiny_overrides(tiny_dir, tmp_path, "cut"))
     first = train(cut_cfg, stop_after=2)                       # "killed" after step 2
@@ -50,6 +51,7 @@ def test_exact_resume_matches_uninterrupted_run(tiny_dir, tmp_path):
     assert second["iterations"] == 4
     a, b = _metrics(tmp_path / "full"), _metrics(tmp_path / "cut")
     assert sorted(b) == [1, 2, 3, 4]                           # no duplicated steps
+    assert sorted(a) == [1, 3, 4]
     for step in (3, 4):
         keys = set(a[step]) & set(b[step])
         assert keys and {k: a[step][k] for k in keys} == {k: b[step][k] for k in keys}, step
@@ -90,6 +92,7 @@ def test_cli_train_eval_plot_table(tiny_dir, tmp_path):
     (["optim.policy_lr=-1"], "optim.policy_lr"),
     (["ppo.clip_eps=0"], "ppo.clip_eps"),
     (["team.num_agents=0"], "team.num_agents"),
+    (["train.log_every=0"], "train.log_every"),
 ])
 def test_out_of_range_values_name_the_key(over, needle):
     with pytest.raises(ConfigError, match=needle):

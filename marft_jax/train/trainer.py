@@ -208,6 +208,7 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
     bar = _progress(cfg.train.iterations, start)
     it, skipped, budget_hit, last_step_s = start, 0, False, 0.0
     last_metrics: dict = {}
+    logged = start           # the last iteration whose metrics went to the sinks (train.log_every)
 
     def save(i: int) -> None:
         nonlocal saved_at
@@ -257,7 +258,9 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
             last_step_s = time.perf_counter() - t_step
             it += 1
             last_metrics = {k: v for k, v in m.items() if isinstance(v, (int, float))}
-            writer.write(it, last_metrics)
+            if it % cfg.train.log_every == 0 or it == start + 1:
+                writer.write(it, last_metrics)
+                logged = it
             _report(bar, it, cfg.train.iterations, m, t_start)
             if cfg.train.eval_every and it % cfg.train.eval_every == 0 and it < cfg.train.iterations:
                 res = _eval_and_save(run, state, eval_problems, cfg, run_dir, f"iter{it:06d}")
@@ -266,6 +269,8 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
                 save(it)
     if bar is not None:
         bar.close()
+    if last_metrics and logged != it:   # the run stopped between two train.log_every iterations
+        writer.write(it, last_metrics)
     save(it)
     ckpt.wait()
     finished = (it >= cfg.train.iterations or budget_hit) and flag.signal is None
