@@ -147,7 +147,38 @@ def sampler_resize() -> dict:
     return out
 
 
+def feature_gather() -> dict:
+    """The critic feature pass in several calls of packed rows (lax.map over calls, rows split
+    over the data shards), read at the decision points: the [call, row, slot] states flattened
+    end to end were not split contiguously, and XLA all-gathered every hidden state onto every
+    device before the gather. Reports the all-gathers in the partitioned program, the largest
+    temporaries and the per-device FLOPs."""
+    from marft_jax.rl import packing
+    from marft_jax.train import prepare
+
+    base0 = decoder.init_params(jax.random.key(0), CFG)
+    traj = _trajectory()
+    out, hidden = {}, {}
+    for label, mesh in _meshes().items():
+        placement = Placement(mesh)
+        calls, gather, _, _ = prepare.feature_inputs(
+            traj, token_level=False, tokens_per_call=4 * (CTX + ACT),        # several calls per class
+            policy=packing.ShapePolicy(row_multiple=placement.row_shards), placement=placement)
+        base = placement.base(base0)
+        compiled = prepare._packed_hidden_at.lower(base, None, calls, gather, cfg=CFG).compile()
+        text = compiled.as_text()
+        out[label] = {"calls": [list(c.tokens.shape) for c in calls], "flops": _flops(compiled),
+                      "all_gathers": sum(1 for line in text.splitlines() if " all-gather(" in line),
+                      "temp_bytes": int(compiled.memory_analysis().temp_size_in_bytes)}
+        hidden[label] = prepare._packed_hidden_at(base, None, calls, gather, cfg=CFG)
+    out["flops_1_device"] = out["1_device"]["flops"]
+    out["flops_per_device"] = out["mesh"]["flops"]
+    out["max_abs_diff"] = _max_diff(hidden["1_device"], hidden["mesh"])
+    return out
+
+
 CHECKS = {
+    "feature_gather": feature_gather,
     "update_micro_padded": lambda: micro_batched_update(packed=False),
     "update_micro_packed": lambda: micro_batched_update(packed=True),
     "sampler_resize": sampler_resize,

@@ -58,3 +58,18 @@ def test_sampler_resize_keeps_the_cache_split_over_the_rows():
     assert r["tensor"]["k_shard_shape"][1:3] == [rows // (d // 2), r["1_device"]["k_shape"][2] // 2], r
     assert r["flops_per_device"] <= 1.2 / d * r["flops_1_device"], r
     assert r["max_abs_diff"] == 0, r                                # greedy tokens identical
+
+
+@pytest.mark.multidevice
+def test_feature_pass_reads_the_decision_points_without_gathering_every_hidden_state():
+    """The critic feature pass runs in several calls (``lax.map``) of packed rows split over the
+    data shards. Flattening the calls end to end before the gather made XLA all-gather every
+    hidden state onto every device (one all-gather of the whole ``[calls, slots, H]`` here);
+    gathered per (call, slot), each device reads its own slots and one all-reduce of the small
+    result combines them. (The FLOPs split is not asserted here: XLA's cost analysis counts the
+    ``lax.map`` body once, one call's rows, which the 1-device program packs differently.)"""
+    d = 4
+    r = _check("feature_gather", d)
+    assert r["mesh"]["calls"][0][0] > 1, r                          # several calls per class
+    assert r["mesh"]["all_gathers"] == 0, r                         # 1 before
+    assert r["max_abs_diff"] <= 1e-5, r

@@ -92,8 +92,21 @@ def _packed_hidden_at_fn(base, critic_lora, rows: tuple[packing.PackedRows, ...]
     def one(r):
         return decoder.forward_packed(base, r, cfg=cfg, lora=critic_lora, agent=agent)
 
-    hidden = jnp.concatenate([jax.lax.map(one, r).reshape((-1, cfg.hidden_size)) for r in rows], axis=0)
-    return jnp.take(hidden, gather, axis=0)
+    # Read each class where it lies, [C, r·T, H] (the row-sharded axis whole within each call),
+    # instead of flattening the calls end to end: under a data mesh the flat [C·r·T, H] view is
+    # not split contiguously, and XLA all-gathered every hidden state onto every device before
+    # the gather; indexed per (call, slot), each device gathers its own slots and one all-reduce
+    # of the [G, P, H] result combines them.
+    out, start = None, 0
+    for r in rows:
+        hidden = jax.lax.map(one, r)                                   # [C, r·T, H]
+        c, n = hidden.shape[:2]
+        local = gather - start
+        at = jnp.clip(local, 0, c * n - 1)
+        got = hidden[at // n, at % n]                                  # [G, P, H]
+        out = got if out is None else jnp.where(((local >= 0) & (local < c * n))[..., None], got, out)
+        start += c * n
+    return out
 
 
 _packed_hidden_at = jax.jit(_packed_hidden_at_fn, static_argnames=("cfg",))
