@@ -1,11 +1,13 @@
-"""CPU mini-reproduction of the paper's comparison: MARFT-A, MARFT-T, independent PPO and a single
-agent on the generated arithmetic task, several seeds each, one after another in this process.
+"""CPU reproduction of the paper's comparison on the generated arithmetic task: MARFT-A, MARFT-T,
+independent PPO and a single agent (Duo), MARFT-A and independent PPO (Trio), and MARFT-A with
+anonymous roles, several seeds each, one run after another in this process.
 
-    python experiments/cpu_repro.py                       # 4 methods x seeds 0 1 2, ~1 hour on 2 cores
-    python experiments/cpu_repro.py --seeds 0 --methods marft_a single train.time_budget_s=60
+    python experiments/cpu_repro.py                       # 7 methods x seeds 0-4, ~5 hours on 2 cores
+    python experiments/cpu_repro.py --seeds 0 --methods marft_a single train.iterations=4
 
-Each run uses the preset ``experiments/configs/cpu_repro/<method>.yaml`` (same budgets for all
-four; they differ only in the method keys) plus the overrides given here. Runs go to
+Each run uses the preset ``experiments/configs/cpu_repro/<method>.yaml`` (the same budgets for
+all: 30 iterations x 8 episodes; they differ only in the method keys) plus the overrides given
+here. Runs go to
 ``<runs-dir>/<method>-s<seed>``; a finished run (its ``summary.json`` has an after-training
 accuracy) is reused, so an interrupted sweep continues where it stopped. JAX's persistent
 compilation cache is shared by the runs, so only the first run of each shape pays the compile.
@@ -41,6 +43,9 @@ METHODS = {
     "marft_t": "MARFT-T (Duo, chained, token level)",
     "ippo": "independent PPO (Duo, parallel)",
     "single": "single agent (PPO-A)",
+    "marft_a_anonymous": "MARFT-A (Duo, anonymous roles)",
+    "trio_marft_a": "MARFT-A (Trio, chained, action level)",
+    "trio_ippo": "independent PPO (Trio, parallel)",
 }
 
 
@@ -107,6 +112,9 @@ def run_one(method: str, seed: int, overrides: list[str], runs_dir: Path, untrai
         cfg.train.eval_before = False
     t0 = time.perf_counter()
     summary = train(cfg)
+    if summary.get("accuracy_after") is None:      # stopped by a signal: its checkpoint resumes it
+        raise SystemExit(f"[cpu_repro] {method} seed {seed} stopped at iteration {summary['iterations']} "
+                         f"({run_dir}); run the same command again to resume")
     summary["wall_s"] = round(time.perf_counter() - t0, 1)
     if shared is not None:
         summary["accuracy_before"], summary["accuracy_before_from"] = shared
@@ -188,10 +196,20 @@ def write_results(rows: list[dict], out: Path, command: str, wall_s: float) -> N
         print(f"[cpu_repro] plot failed: {e}", file=sys.stderr)
 
 
+def _runs_bar(total: int):
+    """The sweep's bar (runs done) on a terminal; each run's trainer adds its own bar of iterations
+    below it. None elsewhere: then one line per run start and per iteration is printed."""
+    if not sys.stdout.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="run", desc="runs", position=0, dynamic_ncols=True)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2, 3, 4])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     ap.add_argument("--runs-dir", default="runs/cpu_repro", help="where the run folders go")
     ap.add_argument("--out", default=str(REPO / "experiments" / "results" / "cpu_repro"),
@@ -215,15 +233,24 @@ def main(argv: list[str] | None = None) -> list[dict]:
     command = "python experiments/cpu_repro.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     rows, untrained = [], {}
-    for seed in a.seeds:               # seed-major: a partial sweep still covers every method
-        for m in a.methods:
-            s = run_one(m, seed, a.overrides, runs_dir, untrained)
-            rows.append({"method": m, "seed": seed, "accuracy_before": s["accuracy_before"],
-                         "accuracy_after": s["accuracy_after"],
-                         "delta": s["accuracy_after"] - s["accuracy_before"],
-                         "iterations": s["iterations"], "wall_s": s.get("wall_s"),
-                         "train_reward": _rewards(Path(s["run_dir"]))})
-            write_results(rows, Path(a.out), command.strip(), time.perf_counter() - t0)
+    plan = [(m, seed) for seed in a.seeds for m in a.methods]   # seed-major: a partial sweep covers every method
+    bar = _runs_bar(len(plan))
+    for k, (m, seed) in enumerate(plan):
+        if bar is None:
+            print(f"[cpu_repro] run {k + 1}/{len(plan)}: {m} seed {seed}", flush=True)
+        else:
+            bar.set_postfix_str(f"{m} seed {seed}")
+        s = run_one(m, seed, a.overrides, runs_dir, untrained)
+        if bar is not None:
+            bar.update(1)
+        rows.append({"method": m, "seed": seed, "accuracy_before": s["accuracy_before"],
+                     "accuracy_after": s["accuracy_after"],
+                     "delta": s["accuracy_after"] - s["accuracy_before"],
+                     "iterations": s["iterations"], "wall_s": s.get("wall_s"),
+                     "train_reward": _rewards(Path(s["run_dir"]))})
+        write_results(rows, Path(a.out), command.strip(), time.perf_counter() - t0)
+    if bar is not None:
+        bar.close()
     print(f"[cpu_repro] results in {a.out}/results.md", flush=True)
     return rows
 

@@ -30,7 +30,9 @@ def configs() -> dict[str, Config]:
 
 def test_preset_inventory():
     assert "demo" in PRESETS
-    assert sorted(CPU_REPRO) == ["cpu_repro/ippo", "cpu_repro/marft_a", "cpu_repro/marft_t", "cpu_repro/single"]
+    assert sorted(CPU_REPRO) == ["cpu_repro/ippo", "cpu_repro/marft_a", "cpu_repro/marft_a_anonymous",
+                                 "cpu_repro/marft_t", "cpu_repro/single", "cpu_repro/trio_ippo",
+                                 "cpu_repro/trio_marft_a"]
     assert len(PAPER) >= 30
 
 
@@ -123,7 +125,7 @@ def test_packaged_demo_matches():
 
 def test_cpu_repro_presets_share_budgets(configs):
     method_keys = {"preset", "team.profile", "team.num_agents", "rollout.mode", "algo.level", "algo.gamma",
-                   "algo.lam", "algo.ippo_own_weight"}
+                   "algo.lam", "algo.ippo_own_weight", "rollout.agent_max_new_tokens"}
 
     def flat(cfg: Config) -> dict:
         return {f"{s}.{k}": v for s, sec in to_dict(cfg).items() if isinstance(sec, dict) for k, v in sec.items()
@@ -133,6 +135,11 @@ def test_cpu_repro_presets_share_budgets(configs):
     for name in CPU_REPRO:
         assert flat(configs[name]) == ref, name
         assert configs[name].model.name == "smollm2-135m" and configs[name].task.name == "arithmetic"
+        budget = configs[name].rollout.agent_max_new_tokens
+        assert len(budget) == configs[name].team.num_agents and budget[-1] == (32 if len(budget) == 1 else 16)
+    # the same episodes (env steps) per run whatever the team
+    assert {(c.train.iterations, c.rollout.rows, c.rollout.horizon) for n, c in configs.items() if n in CPU_REPRO} \
+        == {(30, 8, 1)}
 
 
 def test_paper_presets_are_generated():
