@@ -17,9 +17,19 @@ first one (``train.eval_before=false`` for the others; ``accuracy_before_from`` 
 summary names the run that measured it): MARFT-A and MARFT-T share one, each method's later
 seeds reuse their first seed's.
 
-Writes to ``--out`` (small files, meant to be committed): ``results.md`` (table + per-seed rows +
-the exact command, machine and commit), ``results.csv``, ``results.json`` and
-``training_reward.png`` (mean training reward per iteration, one curve per method).
+Writes to ``--out`` (small files, meant to be committed): ``results.md`` (the command, commit,
+machine, date and wall time; the table in the paper's layout; each method's accuracy before and
+after and its change, mean ± standard error over seeds, with a 95 % bootstrap interval of the
+change against independent PPO of the same team size and a verdict; stability; the Duo -> Trio
+margin, named vs anonymous; per-seed rows; a ``## Reading`` section left for a hand-written
+reading, kept when the file is rewritten), ``results.csv`` (per seed), ``results.json`` (every
+number, held-out curves, training rewards), ``table.tex``, ``heldout_accuracy.png`` and
+``training_reward.png`` (mean ± 1 standard error over seeds per method).
+
+    python experiments/cpu_repro.py --aggregate-only      # no training: results of the finished runs
+
+``--aggregate-only`` reads the finished runs in ``--runs-dir`` (of a running, stopped or
+finished sweep) and writes the results.
 """
 
 from __future__ import annotations
@@ -27,6 +37,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import math
 import os
 import platform
 import shlex
@@ -34,8 +45,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
 METHODS = {
@@ -47,6 +56,24 @@ METHODS = {
     "trio_marft_a": "MARFT-A (Trio, chained, action level)",
     "trio_ippo": "independent PPO (Trio, parallel)",
 }
+# How the trainer's eval files name each method's runs (method, agents, roles; the table's rows).
+METHOD_ARMS = {
+    "marft_a": ("MARFT-A", 2, "named"),
+    "marft_t": ("MARFT-T", 2, "named"),
+    "ippo": ("independent PPO", 2, "named"),
+    "single": ("single agent (PPO-A)", 1, "named"),
+    "marft_a_anonymous": ("MARFT-A", 2, "anonymous"),
+    "trio_marft_a": ("MARFT-A", 3, "named"),
+    "trio_ippo": ("independent PPO", 3, "named"),
+}
+# The comparisons the results report (marft_jax.train.repro_stats.sweep_report):
+BASELINES = {"marft_a": "ippo", "marft_t": "ippo", "single": "ippo", "marft_a_anonymous": "ippo",
+             "trio_marft_a": "trio_ippo"}                        # change against IPPO of the same size
+SPREAD_PAIRS = [("marft_a", "marft_t")]                          # stability: action vs token level
+MARGIN_PAIRS = [(("marft_a", "ippo"), ("trio_marft_a", "trio_ippo"))]   # Duo -> Trio margin
+DIFFERENCES = [("marft_a", "single"), ("marft_a", "marft_a_anonymous")]  # vs a single agent; named vs anonymous
+BENCHMARK = "arithmetic-l1"        # the eval files' name of the task (a row without one gets it)
+READING_PLACEHOLDER = "(written by hand after the sweep: say only what the intervals support)"
 
 
 def _machine() -> str:
@@ -68,14 +95,9 @@ def _commit() -> str:
 
 def _rewards(run_dir: Path) -> list[float]:
     """Training reward (``episode/score_mean``) per iteration from the run's metrics.jsonl."""
-    out: dict[int, float] = {}
-    path = run_dir / "metrics.jsonl"
-    if path.exists():
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
-            if "episode/score_mean" in rec:
-                out[int(rec["step"])] = float(rec["episode/score_mean"])
-    return [out[k] for k in sorted(out)]
+    from marft_jax.train.run_records import train_reward
+
+    return [v for _, v in sorted(train_reward(run_dir).items())]
 
 
 def untrained_key(cfg) -> str:
@@ -127,73 +149,270 @@ def run_one(method: str, seed: int, overrides: list[str], runs_dir: Path, untrai
     return summary
 
 
-def _fmt(xs: list[float]) -> str:
-    return f"{100 * np.mean(xs):.1f} ± {100 * np.std(xs):.1f}"
+def _pm(mean: float, se: float, signed: bool = False) -> str:
+    """``12.3 ± 1.2`` (points); just the mean where the SE is undefined (one seed)."""
+    text = f"{mean:+.1f}" if signed else f"{mean:.1f}"
+    return text + (f" ± {se:.1f}" if math.isfinite(se) else "")
 
 
-def write_results(rows: list[dict], out: Path, command: str, wall_s: float) -> None:
+def _interval(c: dict) -> str:
+    if c["low_pp"] is None:
+        return "–"
+    return f"[{c['low_pp']:+.1f}, {c['high_pp']:+.1f}]"
+
+
+def _label(m: str) -> str:
+    return METHODS.get(m, m)
+
+
+def _short(m: str) -> str:
+    """``MARFT-A · Duo``, ``MARFT-A · Duo · anonymous``: the name comparisons use."""
+    from marft_jax.train.run_records import Arm
+    from marft_jax.train.sweep_plot import arm_label
+
+    return arm_label(Arm(*METHOD_ARMS[m]))
+
+
+def collect_rows(runs_dir: Path, methods=None, seeds=None) -> list[dict]:
+    """The finished runs of a sweep folder (``<method>-s<seed>`` whose ``summary.json`` has both
+    accuracies), as the rows :func:`main` builds, seed-major like the sweep's plan. ``methods``,
+    ``seeds``: keep only these (None: all of :data:`METHODS`, every seed)."""
+    from marft_jax.train.run_records import read_run
+
+    if not runs_dir.is_dir():
+        raise FileNotFoundError(f"--runs-dir {str(runs_dir)!r} does not exist")
+    found = []
+    for d in runs_dir.iterdir():
+        m, sep, seed = d.name.rpartition("-s")
+        if not (sep and seed.isdigit() and m in METHODS and d.is_dir()):
+            continue
+        if (methods is not None and m not in methods) or (seeds is not None and int(seed) not in seeds):
+            continue
+        rec = read_run(d)
+        if rec.finished:
+            found.append((int(seed), list(METHODS).index(m), m, rec))
+    rows = []
+    for seed, _, m, rec in sorted(found, key=lambda t: t[:2]):
+        rows.append({"method": m, "seed": seed, "accuracy_before": rec.before, "accuracy_after": rec.after,
+                     "delta": rec.after - rec.before, "iterations": rec.iterations, "wall_s": rec.wall_s,
+                     "train_reward": [v for _, v in sorted(rec.train_reward.items())],
+                     "heldout": rec.curve, "benchmark": rec.benchmark})
+    return rows
+
+
+def _with_heldout(rows: list[dict], runs_dir: Path | None) -> list[dict]:
+    """Rows with their held-out curve (iteration -> accuracy) and benchmark where the run folder
+    is known."""
+    if runs_dir is None:
+        return rows
+    from marft_jax.train.run_records import read_run
+
+    out = []
+    for r in rows:
+        d = runs_dir / f"{r['method']}-s{r['seed']}"
+        if "heldout" not in r and d.is_dir():
+            rec = read_run(d)
+            r = {**r, "heldout": rec.curve, "benchmark": rec.benchmark}
+        out.append(r)
+    return out
+
+
+def _by_method(rows: list[dict]) -> dict[str, list[dict]]:
+    return {m: [r for r in rows if r["method"] == m] for m in METHODS if any(r["method"] == m for r in rows)}
+
+
+def statistics(rows: list[dict], **boot) -> dict:
+    """Per method (``repro_stats.seed_summary``) and the comparisons of the issue
+    (``repro_stats.sweep_report``), in percentage points. ``boot``: bootstrap options."""
+    from marft_jax.train.repro_stats import seed_summary, sweep_report
+
+    by = _by_method(rows)
+    methods = {m: seed_summary([r["accuracy_before"] for r in rs], [r["accuracy_after"] for r in rs])
+               for m, rs in by.items()}
+    changes = {m: [r["accuracy_after"] - r["accuracy_before"] for r in rs] for m, rs in by.items()}
+    report = sweep_report(changes, baselines=BASELINES, spread_pairs=SPREAD_PAIRS, margin_pairs=MARGIN_PAIRS,
+                          differences=DIFFERENCES, names={m: _short(m) for m in METHODS}, **boot)
+    return {"methods": methods, **report}
+
+
+def paper_rows(rows: list[dict]) -> list[dict]:
+    """Rows of ``marft_jax.train.table`` (its layout writers): each method's held-out accuracy
+    after training, its seeds pooled per benchmark (the runs' task; :data:`BENCHMARK` where a
+    row does not say). The same as ``marft-jax table RUNS_DIR --tag after``."""
+    from marft_jax.train.table import cell_stats
+
+    out = []
+    for m, rs in _by_method(rows).items():
+        method, agents, roles = METHOD_ARMS[m]
+        pooled: dict[str, list[float]] = {}
+        for r in rs:
+            pooled.setdefault(r.get("benchmark") or BENCHMARK, []).append(r["accuracy_after"])
+        out.append({"method": method, "agents": agents, "roles": roles, "per_agent": {},
+                    "cells": {b: cell_stats(v) for b, v in sorted(pooled.items())}})
+    return out
+
+
+def _kept_reading(path: Path) -> str:
+    """The hand-written ``## Reading`` section of an earlier results.md (kept on rewrite)."""
+    if not path.is_file():
+        return READING_PLACEHOLDER
+    text = path.read_text(encoding="utf-8")
+    if "\n## Reading\n" not in text:
+        return READING_PLACEHOLDER
+    return text.split("\n## Reading\n", 1)[1].strip() or READING_PLACEHOLDER
+
+
+def _results_md(rows: list[dict], stats: dict, table_md: str, command: str, wall: str,
+                reading: str, figures: list[str]) -> str:
+    from marft_jax.train.repro_stats import LEVEL, RESAMPLES, SEED
+    from marft_jax.train.table import team_name
+
+    team = lambda m: team_name(METHOD_ARMS[m][1])
+    lines = [
+        "# CPU reproduction: MARFT-A, MARFT-T, independent PPO and a single agent (Duo), MARFT-A and "
+        "independent PPO (Trio), named vs anonymous roles",
+        "",
+        f"- Command: `{command}`",
+        f"- Commit: {_commit()}; date {time.strftime('%Y-%m-%d')}",
+        f"- Machine: {_machine()}",
+        f"- {wall}; {len(rows)} runs.",
+        "- Model: SmolLM2-135M-Instruct (embedded GGUF), LoRA r8; task: generated arithmetic, level 1;",
+        "  presets `experiments/configs/cpu_repro/*.yaml` (the same episodes per run); greedy held-out",
+        "  team accuracy on the same problems before and after training.",
+        "- Statistics: accuracies and changes in percentage points; mean ± standard error over seeds",
+        f"  (sample std / √n); intervals: {LEVEL:.0%} percentile bootstrap ({RESAMPLES:,} resamples, seed "
+        f"{SEED}), the seeds of each method resampled independently; \"not separated\": the interval holds 0;",
+        "  \"too few seeds\": a method has fewer than 2.",
+        "",
+        "## Table (paper layout)",
+        "",
+        "Held-out team accuracy after training.",
+        "",
+        table_md.rstrip(),
+        "",
+        "## Change per method, against independent PPO of the same team size",
+        "",
+        "Single and Duo methods against Duo IPPO, Trio methods against Trio IPPO.",
+        "",
+        "| method | team | seeds | before | after | change | change − IPPO's change | 95 % interval | verdict |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    vs = stats["vs_baseline"]
+    for m, s in stats["methods"].items():
+        c = vs.get(m)
+        cmp_cells = (f"{c['estimate_pp']:+.1f} | {_interval(c)} | {c['verdict']}" if c
+                     else ("(baseline) | – | –" if m in BASELINES.values() else "– | – | no baseline run"))
+        lines.append(f"| {_label(m)} | {team(m)} | {s['n']} | {_pm(s['before_mean_pp'], s['before_se_pp'])} | "
+                     f"{_pm(s['after_mean_pp'], s['after_se_pp'])} | "
+                     f"{_pm(s['change_mean_pp'], s['change_se_pp'], signed=True)} | {cmp_cells} |")
+    lines += ["", "## Stability", "",
+              "Seed-to-seed spread: the sample std of the change over seeds; worst seed: the lowest change.", "",
+              "| method | team | seeds | spread of the change | worst seed's change |", "|---|---|---:|---:|---:|"]
+    for m, s in stats["methods"].items():
+        spread = f"{s['change_std_pp']:.1f}" if math.isfinite(s["change_std_pp"]) else "–"
+        lines.append(f"| {_label(m)} | {team(m)} | {s['n']} | {spread} | {s['worst_change_pp']:+.1f} |")
+    lines += ["", "## Comparisons", "",
+              "| comparison | estimate (points) | 95 % interval | verdict |", "|---|---:|---:|---|"]
+    for c in stats["spread"]:
+        lines.append(f"| spread of the change: {_short(c['a'])} ({c['std_a_pp']:.1f}) − {_short(c['b'])} "
+                     f"({c['std_b_pp']:.1f}); worst seeds {c['worst_a_pp']:+.1f} vs {c['worst_b_pp']:+.1f} | "
+                     f"{c['estimate_pp']:+.1f} | {_interval(c)} | {c['verdict']} |")
+    for c in stats["margin"]:
+        (a1, b1), (a2, b2) = c["small"], c["large"]
+        lines.append(f"| margin over IPPO, {team(a2)} − {team(a1)}: ({_short(a2)} − {_short(b2)}: "
+                     f"{c['margin_large_pp']:+.1f}) − ({_short(a1)} − {_short(b1)}: {c['margin_small_pp']:+.1f}) | "
+                     f"{c['estimate_pp']:+.1f} | {_interval(c)} | {c['verdict']} |")
+    for c in stats["differences"]:
+        lines.append(f"| change of {_short(c['a'])} − change of {_short(c['b'])} | {c['estimate_pp']:+.1f} | "
+                     f"{_interval(c)} | {c['verdict']} |")
+    lines += ["", "## Per seed", "", "| method | seed | before | after | change | iterations | wall (s) |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['seed']} | {100 * r['accuracy_before']:.1f} | "
+                     f"{100 * r['accuracy_after']:.1f} | {100 * r['delta']:+.1f} | {r['iterations']} | "
+                     f"{r['wall_s'] if r['wall_s'] is not None else '–'} |")
+    if figures:
+        lines += ["", "## Figures", ""] + [f"![{f}]({f})" for f in figures]
+    lines += ["", "## Reading", "", reading, ""]
+    return "\n".join(lines)
+
+
+def _figures(rows: list[dict], out: Path) -> list[str]:
+    """heldout_accuracy.png and training_reward.png (mean ± 1 SE over seeds per method); the
+    names of those written. A figure that fails is reported, never fatal."""
+    from marft_jax.train.sweep_plot import HELDOUT_FILE, band_figure, team_line
+
+    by = _by_method(rows)
+    heldout = {_label(m): [r["heldout"] for r in rs if r.get("heldout")] for m, rs in by.items()}
+    reward = {_label(m): [dict(enumerate(r["train_reward"], start=1)) for r in rs if r["train_reward"]]
+              for m, rs in by.items()}
+    specs = [(HELDOUT_FILE, heldout, "Held-out team accuracy (mean ± 1 SE over seeds)",
+              "training iteration (0 = before training)", "accuracy (%)", 100.0),
+             ("training_reward.png", reward, "Training reward (mean ± 1 SE over seeds)",
+              "iteration", "mean episode reward", 1.0)]
+    written = []
+    for name, groups, title, xlabel, ylabel, scale in specs:
+        if not any(groups.values()):
+            continue
+        try:
+            band_figure(groups, out / name, title=title, xlabel=xlabel, ylabel=ylabel, scale=scale,
+                        linestyles={_label(m): team_line(METHOD_ARMS[m][1]) for m in by})
+            written.append(name)
+        except Exception as e:  # the tables matter more than the pictures
+            print(f"[cpu_repro] {name} failed: {e}", file=sys.stderr)
+    return written
+
+
+def write_results(rows: list[dict], out: Path, command: str, wall_s: float, runs_dir: Path | None = None,
+                  aggregate_only: bool = False) -> None:
+    """Write results.md, results.csv, results.json, table.tex and the figures into ``out``.
+
+    Args:
+      rows: one per finished run, as :func:`main` or :func:`collect_rows` build them (accuracies
+        as fractions; ``train_reward`` per iteration; optional ``heldout``: iteration -> accuracy).
+      command: the sweep's command line; wall_s: the sweep's wall time in seconds (with
+        ``aggregate_only``: the sum of the runs' wall times).
+      runs_dir: where the run folders are (adds the held-out curves); None: no held-out figure.
+    A hand-written ``## Reading`` section of an existing results.md is kept.
+    """
+    from marft_jax.train.table import render
+
     out.mkdir(parents=True, exist_ok=True)
+    rows = _with_heldout(rows, runs_dir)
     with open(out / "results.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=["method", "seed", "accuracy_before", "accuracy_after",
                                           "delta", "iterations", "wall_s"])
         w.writeheader()
         for r in rows:
             w.writerow({k: r[k] for k in w.fieldnames})
-    (out / "results.json").write_text(json.dumps(
-        {"command": command, "machine": _machine(), "commit": _commit(), "wall_s": wall_s, "runs": rows},
-        indent=2))
+    stats = statistics(rows)
+    table = paper_rows(rows)
+    (out / "table.tex").write_text(render(table, "latex"), encoding="utf-8")
+    wall = (f"Aggregated without training from the finished runs in `{runs_dir}` (each run's settings: its "
+            f"`config.yaml`); the runs' wall times sum to {wall_s / 60:.0f} min" if aggregate_only
+            else f"Sweep wall time {wall_s / 60:.0f} min")
+    figures = _figures(rows, out)
+    reading = _kept_reading(out / "results.md")
+    (out / "results.md").write_text(_results_md(rows, stats, render(table, "markdown"), command, wall,
+                                                reading, figures), encoding="utf-8")
+    runs = [{**r, "heldout": {str(k): v for k, v in sorted(r.get("heldout", {}).items())}} for r in rows]
+    (out / "results.json").write_text(json.dumps(_json_safe(
+        {"command": command, "machine": _machine(), "commit": _commit(), "date": time.strftime("%Y-%m-%d"),
+         "wall_s": wall_s, "aggregate_only": aggregate_only,
+         "units": "accuracies in runs: fractions in [0, 1]; statistics: percentage points",
+         "arms": {m: dict(zip(("method", "agents", "roles"), METHOD_ARMS[m])) for m in _by_method(rows)},
+         "statistics": stats, "table": table, "runs": runs}), indent=2, allow_nan=False), encoding="utf-8")
 
-    lines = [
-        "# CPU mini-reproduction: MARFT-A vs MARFT-T vs independent PPO vs single agent",
-        "",
-        f"- Command: `{command}`",
-        f"- Machine: {_machine()}",
-        f"- Commit: {_commit()}; date {time.strftime('%Y-%m-%d')}; sweep wall time {wall_s / 60:.0f} min",
-        "- Model: SmolLM2-135M-Instruct (embedded GGUF), LoRA r8; task: generated arithmetic, level 1;",
-        "  presets `experiments/configs/cpu_repro/*.yaml` (identical budgets); greedy held-out accuracy",
-        "  on the same problems before and after training; mean ± population std over seeds, in %.",
-        "",
-        "| method | seeds | accuracy before | accuracy after | change (points) | iterations |",
-        "|---|---|---|---|---|---|",
-    ]
-    for m, label in METHODS.items():
-        rs = [r for r in rows if r["method"] == m]
-        if not rs:
-            continue
-        before = [r["accuracy_before"] for r in rs]
-        after = [r["accuracy_after"] for r in rs]
-        delta = [a - b for a, b in zip(after, before)]
-        lines.append(f"| {label} | {len(rs)} | {_fmt(before)} | {_fmt(after)} | "
-                     f"{100 * np.mean(delta):+.1f} ± {100 * np.std(delta):.1f} | "
-                     f"{np.mean([r['iterations'] for r in rs]):.1f} |")
-    lines += ["", "Per run:", "", "| method | seed | before | after | iterations | wall (s) |",
-              "|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(f"| {r['method']} | {r['seed']} | {100 * r['accuracy_before']:.1f} | "
-                     f"{100 * r['accuracy_after']:.1f} | {r['iterations']} | {r['wall_s']} |")
-    (out / "results.md").write_text("\n".join(lines) + "\n")
 
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
-        for m, label in METHODS.items():
-            curves = [r["train_reward"] for r in rows if r["method"] == m and r["train_reward"]]
-            if not curves:
-                continue
-            n = min(len(c) for c in curves)
-            ax.plot(np.arange(1, n + 1), np.mean([c[:n] for c in curves], axis=0), marker="o", label=label)
-        ax.set_xlabel("iteration")
-        ax.set_ylabel("training reward (mean over seeds)")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "training_reward.png")
-        plt.close(fig)
-    except Exception as e:  # the table matters more than the picture
-        print(f"[cpu_repro] plot failed: {e}", file=sys.stderr)
+def _json_safe(x):
+    """NaN (an SE of one seed) as null: results.json stays strict JSON."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
 
 
 def _runs_bar(total: int):
@@ -216,11 +435,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="where the results table and curves go")
     ap.add_argument("--no-compile-cache", action="store_true",
                     help="do not turn on JAX's persistent compilation cache (on by default)")
+    ap.add_argument("--aggregate-only", action="store_true",
+                    help="train nothing: write the results of the finished runs in --runs-dir")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
     a = ap.parse_args(argv)
     bad = [o for o in a.overrides if "=" not in o]
     if bad:
         ap.error(f"overrides must be key=value, got {bad}")
+
+    command = "python experiments/cpu_repro.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if a.aggregate_only:
+        return aggregate_only(Path(a.runs_dir).resolve(), Path(a.out), a.methods, a.seeds, command.strip())
 
     import jax
 
@@ -230,7 +455,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
         jax.config.update("jax_compilation_cache_dir", str(runs_dir / ".jax_cache"))
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
-    command = "python experiments/cpu_repro.py " + shlex.join(sys.argv[1:] if argv is None else argv)
     t0 = time.perf_counter()
     rows, untrained = [], {}
     plan = [(m, seed) for seed in a.seeds for m in a.methods]   # seed-major: a partial sweep covers every method
@@ -251,7 +475,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
         write_results(rows, Path(a.out), command.strip(), time.perf_counter() - t0)
     if bar is not None:
         bar.close()
+    # The loop's results lack the held-out curves (read from the run folders): write them once more.
+    write_results(rows, Path(a.out), command.strip(), time.perf_counter() - t0, runs_dir=runs_dir)
     print(f"[cpu_repro] results in {a.out}/results.md", flush=True)
+    return rows
+
+
+def aggregate_only(runs_dir: Path, out: Path, methods, seeds, command: str) -> list[dict]:
+    """``--aggregate-only``: the results of the finished runs of ``methods`` x ``seeds`` in
+    ``runs_dir``, without training (``command``: this command line, recorded as such)."""
+    rows = collect_rows(runs_dir, methods, seeds)
+    if not rows:
+        raise SystemExit(f"[cpu_repro] no finished run in {runs_dir} (a finished run is a folder "
+                         f"<method>-s<seed> whose summary.json has accuracy_before and accuracy_after)")
+    write_results(rows, out, command, sum(r["wall_s"] or 0.0 for r in rows), runs_dir=runs_dir,
+                  aggregate_only=True)
+    print(f"[cpu_repro] results of {len(rows)} finished runs in {out}/results.md", flush=True)
     return rows
 
 

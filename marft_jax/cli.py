@@ -173,19 +173,30 @@ def cmd_bench(args) -> int:
 
 
 def cmd_table(args) -> int:
+    from marft_jax.train.run_records import expand_run_dirs
     from marft_jax.train.table import write_table
 
-    md, csv = write_table(args.run_dirs, args.out)
-    print(Path(md).read_text())
-    print(f"written: {md}, {csv}")
+    # No --format: Markdown printed, Markdown and CSV written (as before the switch existed).
+    formats = [args.format] if args.format else ["markdown", "csv"]
+    paths = write_table(expand_run_dirs(args.run_dirs), args.out, formats=formats, tags=args.tag)
+    print(Path(paths[0]).read_text(encoding="utf-8"))
+    print("written: " + ", ".join(map(str, paths)))
     return 0
 
 
 def cmd_plot(args) -> int:
-    from marft_jax.train.plot import plot_run
+    from marft_jax.train.run_records import is_run_dir
 
-    for p in plot_run(args.run_dir):
-        print(p)
+    single = len(args.paths) == 1 and is_run_dir(Path(args.paths[0])) and args.out is None
+    if single:                # one run folder: its own training curves, as before
+        from marft_jax.train.plot import plot_run
+
+        for p in plot_run(args.paths[0]):
+            print(p)
+        return 0
+    from marft_jax.train.sweep_plot import HELDOUT_FILE, plot_heldout
+
+    print(plot_heldout(args.paths, args.out or HELDOUT_FILE))
     return 0
 
 
@@ -234,13 +245,26 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
 
-    tb = sub.add_parser("table", help="aggregate eval results of runs into the paper's table layout")
-    tb.add_argument("run_dirs", nargs="+")
-    tb.add_argument("--out", default="results", help="output directory (Markdown + CSV)")
+    tb = sub.add_parser("table", help="aggregate eval results of runs into the paper's table layout",
+                        description="Methods as rows (grouped by team: Single, Duo, Trio; named and anonymous "
+                                    "roles apart), benchmarks as columns, cells: accuracy in %%, mean ± standard "
+                                    "error over the seeds (the runs) of each method.")
+    tb.add_argument("run_dirs", nargs="+", help="run folders, or sweep folders holding run folders")
+    tb.add_argument("--out", default="results", help="output directory (default: results)")
+    tb.add_argument("--format", choices=["markdown", "csv", "latex"], default=None,
+                    help="print and write results.md, results.csv or results.tex (default: print Markdown, "
+                         "write Markdown and CSV)")
+    tb.add_argument("--tag", action="append", default=None,
+                    help="only eval files with this tag (before, after); repeatable (default: every file)")
     tb.set_defaults(fn=cmd_table)
 
-    pl = sub.add_parser("plot", help="write PNG training curves of a run")
-    pl.add_argument("run_dir")
+    pl = sub.add_parser("plot", help="PNG training curves of a run, or held-out accuracy of many runs",
+                        description="One run folder: its training curves into RUN/plots/. Several run folders "
+                                    "or a sweep folder (or --out): one figure of every method's mean held-out "
+                                    "accuracy per iteration with a band of ±1 standard error over seeds.")
+    pl.add_argument("paths", nargs="+", metavar="RUN_DIR", help="run folders or sweep folders")
+    pl.add_argument("--out", default=None,
+                    help="the held-out accuracy figure (default: ./heldout_accuracy.png)")
     pl.set_defaults(fn=cmd_plot)
     return p
 

@@ -1,4 +1,5 @@
-"""experiments/cpu_repro.py end to end on a tiny random model: runs, table, CSV, reuse."""
+"""experiments/cpu_repro.py end to end on a tiny random model (runs, table, CSV, reuse), and its
+results writer on synthetic run folders (--aggregate-only: statistics, table, figures)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import json
 import importlib.util
 from pathlib import Path
 
+import pytest
+
+from tests.synthetic_runs import make_run
 from tests.tiny_run import make_tiny_model_dir, tiny_overrides
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,6 +45,11 @@ def test_cpu_repro_writes_table_and_reuses_finished_runs(tmp_path):
     with open(tmp_path / "out" / "results.csv") as f:
         assert [r["method"] for r in csv.DictReader(f)] == ["marft_a", "marft_t"]
     assert (tmp_path / "out" / "training_reward.png").stat().st_size > 0
+    assert (tmp_path / "out" / "heldout_accuracy.png").stat().st_size > 0     # the runs' held-out curves
+    assert "\\midrule" in (tmp_path / "out" / "table.tex").read_text()
+    saved = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [sorted(r["heldout"]) for r in saved["runs"]] == [["0", "2"], ["0", "2"]]
+    assert "## Reading\n\n" + cpu_repro.READING_PLACEHOLDER in table
 
     stamp = (tmp_path / "runs" / "marft_a-s0" / "metrics.jsonl").stat().st_mtime_ns
     again = cpu_repro.main(argv)                      # finished runs are reused, not retrained
@@ -56,3 +65,85 @@ def test_untrained_evaluation_is_shared_where_identical():
             for m in cpu_repro.METHODS for s in (0, 1)}
     assert keys["marft_a"] == keys["marft_t"]
     assert len({keys["marft_a"], keys["ippo"], keys["single"]}) == 3
+
+
+def test_method_arms_match_the_trainers_eval_files():
+    """The results table groups each method as the trainer's eval files do."""
+    cpu_repro = _load()
+    from marft_jax.config import load_config
+    from marft_jax.train.trainer import method_fields
+
+    for m in cpu_repro.METHODS:
+        f = method_fields(load_config(f"cpu_repro/{m}", []))
+        assert (f["method"], f["agents"], f["roles"]) == cpu_repro.METHOD_ARMS[m], m
+    assert set(cpu_repro.METHOD_ARMS) == set(cpu_repro.METHODS)
+
+
+# change after training per method (points over the untrained 14 %), one value per seed
+GAINS = {"marft_a": [20, 22, 21, 19, 23], "marft_t": [-5, 30, 0, 25, -8], "ippo": [4, 5, 3, 6, 5],
+         "single": [0, 1, -1, 2, 0], "marft_a_anonymous": [19, 23, 20, 22, 21],
+         "trio_marft_a": [30, 31, 29, 32, 30], "trio_ippo": [5, 4, 6, 5, 5]}
+
+
+def _sweep(root, seeds=range(5)):
+    for m, gains in GAINS.items():
+        method, agents, roles = _load().METHOD_ARMS[m]
+        for s in seeds:
+            after = 0.14 + gains[s] / 100
+            make_run(root, f"{m}-s{s}", method=method, agents=agents, roles=roles, seed=s, before=0.14,
+                     periodic={10: 0.14 + gains[s] / 200, 20: after - 0.01}, after=after, share_before=s > 0)
+
+
+def test_aggregate_only_writes_results_of_finished_runs(tmp_path):
+    cpu_repro = _load()
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    _sweep(runs)
+    make_run(runs, "marft_a-s5", method="MARFT-A", agents=2, seed=5, periodic={10: 0.9}, after=None)  # running
+    make_run(runs, "mystery-s0", method="X", agents=2)                         # not a method of the sweep
+    (runs / ".jax_cache").mkdir()
+    rows = cpu_repro.main(["--aggregate-only", "--runs-dir", str(runs), "--out", str(out), "--seeds", *map(str, range(6))])
+    assert len(rows) == 35 and [(r["method"], r["seed"]) for r in rows[:2]] == [("marft_a", 0), ("marft_t", 0)]
+    assert {f.name for f in out.iterdir()} == {"results.md", "results.csv", "results.json", "table.tex",
+                                               "heldout_accuracy.png", "training_reward.png"}
+    md = (out / "results.md").read_text()
+    assert "--aggregate-only" in md and "Aggregated without training" in md
+    assert "| Duo | independent PPO | named | 18.6 ± 0.5 |" in md                     # paper layout, mean ± SE
+    assert "|  | MARFT-A | anonymous | 35.0 ± 0.7 |" in md
+    assert "| Trio | independent PPO | named | 19.0 ± 0.3 |" in md
+    line = next(l for l in md.splitlines() if l.startswith("| MARFT-A (Duo, chained, action level) | Duo | 5 |"))
+    assert "+21.0 ± 0.7" in line and line.endswith("| above IPPO |")
+    line = next(l for l in md.splitlines() if l.startswith("| MARFT-T (Duo, chained, token level) |"))
+    assert line.endswith("| not separated |")                                   # wide spread: the interval holds 0
+    line = next(l for l in md.splitlines() if l.startswith("| single agent (PPO-A) |"))
+    assert line.endswith("| below IPPO |")
+    assert "| MARFT-A · Duo steadier |" in md and "| margin wider |" in md
+    assert "MARFT-A · Duo − change of MARFT-A · Duo · anonymous | +0.0 |" in md
+    assert md.rstrip().endswith("## Reading\n\n" + cpu_repro.READING_PLACEHOLDER)
+
+    saved = json.loads((out / "results.json").read_text())                     # strict JSON: no NaN
+    assert saved["statistics"]["vs_baseline"]["trio_marft_a"]["baseline"] == "trio_ippo"
+    assert saved["statistics"]["methods"]["single"]["worst_change_pp"] == pytest.approx(-1.0)
+    assert saved["runs"][0]["heldout"] == {"0": 0.14, "10": pytest.approx(0.24), "20": pytest.approx(0.33),
+                                           "30": pytest.approx(0.34)}
+    tex = (out / "table.tex").read_text()
+    assert tex.count("\\midrule") == 3 and "Single & single agent (PPO-A)" in tex
+    with open(out / "results.csv") as f:
+        assert len(list(csv.DictReader(f))) == 35
+
+    # a hand-written reading survives the next aggregation; a partial sweep still aggregates
+    (out / "results.md").write_text(md.replace(cpu_repro.READING_PLACEHOLDER, "Only MARFT-A separates."))
+    rows = cpu_repro.main(["--aggregate-only", "--runs-dir", str(runs), "--out", str(out), "--methods", "marft_a", "ippo",
+                           "--seeds", "0"])
+    md = (out / "results.md").read_text()
+    assert len(rows) == 2 and md.rstrip().endswith("## Reading\n\nOnly MARFT-A separates.")
+    assert "| +16.0 | – | too few seeds |" in md                                     # one seed: no interval
+
+
+def test_aggregate_only_errors(tmp_path):
+    cpu_repro = _load()
+    with pytest.raises(FileNotFoundError, match="--runs-dir.*nowhere"):
+        cpu_repro.main(["--aggregate-only", "--runs-dir", str(tmp_path / "nowhere"), "--out", str(tmp_path / "o")])
+    make_run(tmp_path / "runs", "marft_a-s0", method="MARFT-A", agents=2, after=None)
+    with pytest.raises(SystemExit, match="no finished run in .*runs"):
+        cpu_repro.main(["--aggregate-only", "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "o")])
+    assert not (tmp_path / "o").exists()

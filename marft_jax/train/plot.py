@@ -3,8 +3,8 @@
 ``plot_run(run_dir)`` writes one figure per panel whose metrics exist, into ``run_dir/plots/``:
 reward (``rewards/*``), accuracy (``episode/accuracy``, ``eval/*accuracy*``), losses
 (``actor/*/pg_loss``, ``critic/value_loss``), KL (``actor/*/approx_kl``), throughput
-(``perf/*``) and timing (``timing_s/*``). A later record of a step (after a resume) replaces an
-earlier one.
+(``perf/*``) and timing (``timing_s/*``). Records of the same step merge (a later value of a
+key wins). Curves over many runs (mean ± SE per method) are :mod:`marft_jax.train.sweep_plot`'s.
 """
 
 from __future__ import annotations
@@ -32,7 +32,9 @@ PANELS: tuple[tuple[str, str, str, tuple[str, ...]], ...] = (
 def _series(records: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
     by_step: dict[int, dict] = {}
     for r in records:
-        by_step[int(r["step"])] = r  # later lines win (a resumed run re-logs a step)
+        # Records of one step merge (the trainer logs an evaluation apart from the iteration's
+        # metrics); on a key logged twice the later line wins.
+        by_step.setdefault(int(r["step"]), {}).update(r)
     out: dict[str, tuple[list[int], list[float]]] = {}
     for step in sorted(by_step):
         for k, v in by_step[step].items():

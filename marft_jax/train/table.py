@@ -1,5 +1,6 @@
-"""The paper's results table from evaluation files: rows method × agents × roles, one column per
-benchmark, cells ``mean ± std`` over seeds (population std, as reference §12), Markdown and CSV.
+"""The paper's results table from evaluation files: methods as rows (grouped by team: Single,
+Duo, Trio, ...; named and anonymous roles apart), one column per benchmark (task), cells
+``mean ± standard error`` over seeds, as Markdown, CSV or LaTeX.
 
 Input schema: every ``<run_dir>/eval/*.json`` is one result object::
 
@@ -10,8 +11,9 @@ Input schema: every ``<run_dir>/eval/*.json`` is one result object::
       "benchmark": "arithmetic-l1",    # str: the column
       "seeds": [0.62, 0.60, 0.64],     # per-seed accuracy, fractions in [0, 1], non-empty
       "seed_ids": [0, 1, 2],           # optional, same length as seeds: duplicates are rejected
-      "per_agent": {"planner": [0.5, 0.4, 0.6], "solver": [0.62, 0.60, 0.64]}
+      "per_agent": {"planner": [0.5, 0.4, 0.6], "solver": [0.62, 0.60, 0.64]},
                                        # optional: role -> per-seed values (or one number)
+      "tag": "after"                   # optional: which evaluation (the trainer writes before/after)
     }
 
 Files of several runs (e.g. one run per seed) with the same (method, agents, roles, benchmark)
@@ -19,8 +21,10 @@ pool their ``seeds``. Other keys are allowed and ignored. A file that breaks the
 :class:`ResultsSchemaError` naming it.
 
 Output: :func:`aggregate` returns rows ``{"method", "agents", "roles", "cells": {benchmark:
-{"mean", "std", "n", "seeds"}}, "per_agent": {benchmark: {role: mean}}}``;
-:func:`to_markdown` / :func:`to_csv` lay them out with accuracies in percent by default.
+{"mean", "std", "se", "n", "seeds"}}, "per_agent": {benchmark: {role: mean}}}`` (``std`` is the
+population std, ``se`` the sample std / √n, NaN for one seed; fractions); :func:`render` lays
+them out in one of :data:`FORMATS`, accuracies in percent by default, with a caption naming the
+spread (``spread="se"``, default, or ``"std"``).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from pathlib import Path
 from typing import Any, Iterable, Sequence
 
 import numpy as np
+
+from marft_jax.train.repro_stats import mean_se
 
 EVAL_DIR = "eval"
 ROLE_KINDS = ("named", "anonymous")
@@ -84,19 +90,30 @@ def read_result(path: str | Path) -> dict:
 
 
 def result_files(run_dir: str | Path) -> list[Path]:
+    """The result files of one run: ``<run_dir>/eval/*.json`` (not ``eval/periodic/``)."""
     return sorted((Path(run_dir) / EVAL_DIR).glob("*.json"))
 
 
-def aggregate(run_dirs: Iterable[str | Path]) -> list[dict]:
+def aggregate(run_dirs: Iterable[str | Path], tags: Sequence[str] | None = None) -> list[dict]:
     """Pool every run's ``eval/*.json`` into table rows (order: first appearance of the method,
-    then agents, then named before anonymous). Raises FileNotFoundError if no file is found."""
+    then agents, then named before anonymous).
+
+    ``tags``: keep only files whose ``"tag"`` is one of these (e.g. ``["after"]``: the trained
+    teams, not the untrained ``before`` evaluations); None keeps every file.
+    Raises FileNotFoundError naming the directories if no (matching) file is found.
+    """
     run_dirs = list(run_dirs)
+    for d in run_dirs:
+        if not Path(d).is_dir():
+            raise FileNotFoundError(f"aggregate: run directory {str(d)!r} does not exist")
     pooled: dict[tuple, dict] = {}
     method_order: dict[str, int] = {}
     found = 0
     for run_dir in run_dirs:
         for path in result_files(run_dir):
             rec = read_result(path)
+            if tags is not None and rec.get("tag") not in tags:
+                continue
             found += 1
             method_order.setdefault(rec["method"], len(method_order))
             key = (rec["method"], rec["agents"], rec["roles"])
@@ -115,16 +132,15 @@ def aggregate(run_dirs: Iterable[str | Path]) -> list[dict]:
                 cell["per_agent"].setdefault(role, []).extend(
                     float(v) for v in (vals if isinstance(vals, list) else [vals]))
     if not found:
-        raise FileNotFoundError("aggregate: no eval/*.json result file under "
+        which = "" if tags is None else f" with tag in {list(tags)}"
+        raise FileNotFoundError(f"aggregate: no eval/*.json result file{which} under "
                                 + ", ".join(repr(str(d)) for d in run_dirs))
     rows = []
     for (method, agents, roles), cells in pooled.items():
         row_cells, row_per_agent = {}, {}
         for bench in sorted(cells):
             c = cells[bench]
-            seeds = np.asarray(c["seeds"], np.float64)
-            row_cells[bench] = {"mean": float(seeds.mean()), "std": float(seeds.std(ddof=0)),
-                                "n": int(seeds.size), "seeds": c["seeds"]}
+            row_cells[bench] = cell_stats(c["seeds"])
             if c["per_agent"]:
                 row_per_agent[bench] = {r: float(np.mean(v)) for r, v in c["per_agent"].items()}
         rows.append({"method": method, "agents": agents, "roles": roles,
@@ -133,54 +149,185 @@ def aggregate(run_dirs: Iterable[str | Path]) -> list[dict]:
     return rows
 
 
+def cell_stats(seeds: Sequence[float]) -> dict:
+    """One table cell from per-seed accuracies (fractions): ``mean``, ``std`` (population),
+    ``se`` (sample std / √n, NaN for one seed), ``n`` and the ``seeds``."""
+    values = [float(x) for x in seeds]
+    mean, se = mean_se(values)
+    return {"mean": mean, "std": float(np.std(values, ddof=0)), "se": se, "n": len(values), "seeds": values}
+
+
 def benchmarks(rows: Sequence[dict]) -> list[str]:
     """Default column order: alphabetical (pass ``columns=`` to the writers for the paper's)."""
     return sorted({b for r in rows for b in r["cells"]})
 
 
-def format_cell(cell: dict | None, scale: float = 100.0, digits: int = 1) -> str:
+# spread -> (short name, caption text, caption text in LaTeX)
+SPREADS = {"se": ("SE", "standard error over seeds (sample std / √n)",
+                  r"standard error over seeds (sample std$/\sqrt{n}$)"),
+           "std": ("std", "population std over seeds", "population std over seeds")}
+FORMATS = {"markdown": "md", "csv": "csv", "latex": "tex"}       # format -> file extension
+TEAMS = {1: "Single", 2: "Duo", 3: "Trio", 4: "Quad"}
+# Paper order within a team: untrained base, single agent, independent PPO, MARFT-A, MARFT-T, others.
+_METHOD_ORDER = (("untrained", "base"), ("single",), ("independent ppo", "ippo"), ("marft-a",), ("marft-t",))
+
+
+def team_name(agents: int) -> str:
+    """The row group of a team size: Single, Duo, Trio, Quad, else ``"<k> agents"``."""
+    return TEAMS.get(agents, f"{agents} agents")
+
+
+def method_rank(method: str) -> int:
+    """Position of a method within its team group (see ``_METHOD_ORDER``; unknown names last)."""
+    low = method.lower()
+    for rank, prefixes in enumerate(_METHOD_ORDER):
+        if low.startswith(prefixes):
+            return rank
+    return len(_METHOD_ORDER)
+
+
+def layout(rows: Sequence[dict]) -> list[tuple[str, list[dict]]]:
+    """Rows grouped by team (ascending agents), ordered within a group by :func:`method_rank`,
+    then input order, then named before anonymous: ``[(team name, rows), ...]``."""
+    order = sorted(range(len(rows)), key=lambda i: (rows[i]["agents"], method_rank(rows[i]["method"]),
+                                                    i, ROLE_KINDS.index(rows[i]["roles"])))
+    groups: dict[int, list[dict]] = {}
+    for i in order:
+        groups.setdefault(rows[i]["agents"], []).append(rows[i])
+    return [(team_name(k), g) for k, g in groups.items()]
+
+
+def format_cell(cell: dict | None, scale: float = 100.0, digits: int = 1, spread: str = "se",
+                show_n: bool = False) -> str:
+    """``mean ± spread`` (×``scale``); just the mean where the spread is undefined (SE of one
+    seed); ``–`` for no cell; `` (n=k)`` appended with ``show_n``."""
     if cell is None:
         return MISSING
-    return f"{cell['mean'] * scale:.{digits}f} ± {cell['std'] * scale:.{digits}f}"
+    text = f"{cell['mean'] * scale:.{digits}f}"
+    sp = cell.get(spread)
+    if sp is not None and math.isfinite(sp):
+        text += f" ± {sp * scale:.{digits}f}"
+    return text + (f" (n={cell['n']})" if show_n else "")
 
 
-def _table(rows: Sequence[dict], columns: Sequence[str] | None, scale: float, digits: int) -> tuple[list, list]:
+def _check_spread(spread: str) -> None:
+    if spread not in SPREADS:
+        raise ValueError(f"spread must be one of {list(SPREADS)}, got {spread!r}")
+
+
+def _seed_counts(rows: Sequence[dict], cols: Sequence[str]) -> list[int]:
+    return sorted({r["cells"][b]["n"] for r in rows for b in cols if b in r["cells"]})
+
+
+def _unit(scale: float, latex: bool = False) -> str:
+    return ("\\%" if latex else "%") if scale == 100 else f"x {scale:g}"
+
+
+def _grid(rows: Sequence[dict], columns: Sequence[str] | None, scale: float, digits: int,
+          spread: str) -> tuple[list[str], list[tuple[str, list[list[str]]]]]:
+    """Columns and ``[(team, [[method, roles, cell, ...], ...]), ...]``; where the seed counts
+    differ between cells, every cell shows its n."""
+    _check_spread(spread)
     cols = list(columns) if columns is not None else benchmarks(rows)
-    header = ["method", "agents", "roles"] + cols
-    body = [[r["method"], str(r["agents"]), r["roles"]]
-            + [format_cell(r["cells"].get(b), scale, digits) for b in cols] for r in rows]
-    return header, body
+    show_n = len(_seed_counts(rows, cols)) > 1
+    groups = [(team, [[r["method"], r["roles"]] + [format_cell(r["cells"].get(b), scale, digits, spread, show_n)
+                                                  for b in cols] for r in group])
+              for team, group in layout(rows)]
+    return cols, groups
+
+
+def caption(rows: Sequence[dict], columns: Sequence[str] | None = None, scale: float = 100.0,
+            spread: str = "se", latex: bool = False) -> str:
+    """What the cells hold: the unit, the spread and the seeds per cell."""
+    _check_spread(spread)
+    cols = list(columns) if columns is not None else benchmarks(rows)
+    ns = _seed_counts(rows, cols)
+    seeds = (f"n = {ns[0]} seed{'s' if ns[0] != 1 else ''} per cell" if len(ns) == 1
+             else "seeds per cell in brackets")
+    missing = "--" if latex else MISSING
+    pm = "$\\pm$" if latex else "±"
+    return (f"Accuracy ({_unit(scale, latex)}), mean {pm} {SPREADS[spread][2 if latex else 1]}; {seeds}; "
+            f"{missing}: not run.")
 
 
 def to_markdown(rows: Sequence[dict], columns: Sequence[str] | None = None,
-                scale: float = 100.0, digits: int = 1) -> str:
-    """A GitHub Markdown table; cells ``mean ± std`` (×``scale``, default percent), ``–`` if absent."""
-    header, body = _table(rows, columns, scale, digits)
+                scale: float = 100.0, digits: int = 1, spread: str = "se") -> str:
+    """A GitHub Markdown table (team shown on its group's first row) and its caption below."""
+    cols, groups = _grid(rows, columns, scale, digits, spread)
     esc = lambda s: str(s).replace("|", "\\|")
-    lines = ["| " + " | ".join(map(esc, header)) + " |",
-             "|" + "|".join(["---"] * 3 + ["---:"] * (len(header) - 3)) + "|"]
-    lines += ["| " + " | ".join(map(esc, row)) + " |" for row in body]
-    return "\n".join(lines) + "\n"
+    lines = ["| " + " | ".join(map(esc, ["team", "method", "roles"] + cols)) + " |",
+             "|" + "|".join(["---"] * 3 + ["---:"] * len(cols)) + "|"]
+    for team, body in groups:
+        for k, row in enumerate(body):
+            lines.append("| " + " | ".join(map(esc, [team if k == 0 else ""] + row)) + " |")
+    return "\n".join(lines) + "\n\n" + caption(rows, cols, scale, spread) + "\n"
 
 
 def to_csv(rows: Sequence[dict], columns: Sequence[str] | None = None,
-           scale: float = 100.0, digits: int = 1) -> str:
-    """The same layout as CSV (UTF-8 text; cells ``mean ± std``)."""
-    header, body = _table(rows, columns, scale, digits)
+           scale: float = 100.0, digits: int = 1, spread: str = "se") -> str:
+    """The same layout as CSV (UTF-8; the team on every row); benchmark headers name the
+    cells' unit and spread, e.g. ``arithmetic (% mean ± SE)``."""
+    cols, groups = _grid(rows, columns, scale, digits, spread)
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
-    w.writerow(header)
-    w.writerows(body)
+    w.writerow(["team", "method", "roles"] + [f"{b} ({_unit(scale)} mean ± {SPREADS[spread][0]})" for b in cols])
+    for team, body in groups:
+        w.writerows([team] + row for row in body)
     return buf.getvalue()
 
 
+_TEX = {"\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+        "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\textasciicircum{}"}
+
+
+def _tex(text: str) -> str:
+    text = "".join(_TEX.get(ch, ch) for ch in str(text))
+    return text.replace(" ± ", r" $\pm$ ").replace(MISSING, "--")
+
+
+def to_latex(rows: Sequence[dict], columns: Sequence[str] | None = None,
+             scale: float = 100.0, digits: int = 1, spread: str = "se") -> str:
+    """A LaTeX ``table`` (booktabs rules: ``\\usepackage{booktabs}``), one ``\\midrule`` between
+    team groups, the team named on its group's first row, the caption on top."""
+    cols, groups = _grid(rows, columns, scale, digits, spread)
+    lines = ["% written by marft-jax table; needs \\usepackage{booktabs}",
+             "\\begin{table}[t]", "\\centering",
+             f"\\caption{{{caption(rows, cols, scale, spread, latex=True)}}}",
+             "\\begin{tabular}{lll" + "r" * len(cols) + "}", "\\toprule",
+             " & ".join(["Team", "Method", "Roles"] + [_tex(c) for c in cols]) + r" \\"]
+    for team, body in groups:
+        lines.append("\\midrule")
+        for k, row in enumerate(body):
+            lines.append(" & ".join([_tex(team) if k == 0 else ""] + [_tex(c) for c in row]) + r" \\")
+    lines += ["\\bottomrule", "\\end{tabular}", "\\end{table}"]
+    return "\n".join(lines) + "\n"
+
+
+_WRITERS = {"markdown": to_markdown, "csv": to_csv, "latex": to_latex}
+
+
+def render(rows: Sequence[dict], fmt: str = "markdown", **kw) -> str:
+    """The table in ``fmt`` (one of :data:`FORMATS`); ``kw``: columns, scale, digits, spread."""
+    if fmt not in _WRITERS:
+        raise ValueError(f"format must be one of {list(FORMATS)}, got {fmt!r}")
+    return _WRITERS[fmt](rows, **kw)
+
+
 def write_table(run_dirs: Iterable[str | Path], out_dir: str | Path, stem: str = "results",
-                scale: float = 100.0, digits: int = 1) -> tuple[Path, Path]:
-    """Aggregate ``run_dirs`` and write ``out_dir/<stem>.md`` and ``out_dir/<stem>.csv``."""
-    rows = aggregate(list(run_dirs))
+                scale: float = 100.0, digits: int = 1, formats: Sequence[str] = ("markdown", "csv"),
+                tags: Sequence[str] | None = None, spread: str = "se") -> tuple[Path, ...]:
+    """Aggregate ``run_dirs`` (:func:`aggregate`, ``tags``) and write ``out_dir/<stem>.<ext>`` for
+    each of ``formats`` (extensions in :data:`FORMATS`); returns the paths in that order."""
+    bad = [f for f in formats if f not in FORMATS]
+    if bad:
+        raise ValueError(f"format must be one of {list(FORMATS)}, got {bad[0]!r}")
+    _check_spread(spread)
+    rows = aggregate(list(run_dirs), tags)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    md, cs = out_dir / f"{stem}.md", out_dir / f"{stem}.csv"
-    md.write_text(to_markdown(rows, scale=scale, digits=digits), encoding="utf-8")
-    cs.write_text(to_csv(rows, scale=scale, digits=digits), encoding="utf-8")
-    return md, cs
+    paths = []
+    for fmt in formats:
+        path = out_dir / f"{stem}.{FORMATS[fmt]}"
+        path.write_text(render(rows, fmt, scale=scale, digits=digits, spread=spread), encoding="utf-8")
+        paths.append(path)
+    return tuple(paths)
