@@ -13,7 +13,8 @@ The model is a small random decoder (no download); the trajectory is random toke
 ragged lengths, the shapes of a real rollout. The last stdout line is one JSON object::
 
   {"devices": D, "mesh": {...}, "stages": {name: {"flops_per_device": f, "flops_1_device": f1,
-   "ratio": f / f1, "bytes_per_device": b, "bytes_1_device": b1, "bytes_ratio": b / b1}}}
+   "ratio": f / f1, "bytes_per_device": b, "bytes_1_device": b1, "bytes_ratio": b / b1,
+   "temp_bytes_per_device": t, "temp_bytes_1_device": t1, "temp_ratio": t / t1}}}
 """
 
 from __future__ import annotations
@@ -165,16 +166,21 @@ def _measure(args) -> dict:
         stages[name] = {"flops_per_device": many["flops"], "flops_1_device": one["flops"],
                         "ratio": many["flops"] / max(one["flops"], 1.0),
                         "bytes_per_device": many["bytes"], "bytes_1_device": one["bytes"],
-                        "bytes_ratio": many["bytes"] / max(one["bytes"], 1.0)}
+                        "bytes_ratio": many["bytes"] / max(one["bytes"], 1.0),
+                        "temp_bytes_per_device": many["temp"], "temp_bytes_1_device": one["temp"],
+                        "temp_ratio": many["temp"] / max(one["temp"], 1.0)}
     return {"devices": args.devices, "mesh": dict(meshes["mesh"].shape), "level": level,
             "rows": args.rows, "agents": args.agents, "goal_ratio": 1.2 / args.devices, "stages": stages}
 
 
 def _cost(lowered) -> dict:
-    """Per-device FLOPs and bytes accessed of a lowered program (XLA's cost analysis)."""
-    ca = lowered.compile().cost_analysis()
+    """Per-device FLOPs and bytes accessed of a lowered program (XLA's cost analysis), and the
+    temporaries its memory plan holds per device (``memory_analysis``)."""
+    compiled = lowered.compile()
+    ca = compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-    return {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0))}
+    return {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0)),
+            "temp": float(compiled.memory_analysis().temp_size_in_bytes)}
 
 
 def _random_trajectory(rng, vocab: int, *, S: int, B: int, N: int, L: int, K: int):

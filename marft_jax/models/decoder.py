@@ -21,7 +21,9 @@ softmax and LoRA in float32.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import warnings
 from typing import Any, NamedTuple
 
 import chex
@@ -33,6 +35,7 @@ import numpy as np
 from marft_jax.models import attention as attention_lib
 from marft_jax.models import cache_attention
 from marft_jax.models import lora as lora_lib
+from marft_jax.models import sharding
 from marft_jax.models.config import ModelConfig
 
 Params = dict[str, Any]
@@ -222,6 +225,35 @@ def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, cache_in, 
     return x, kv_new
 
 
+def _fsdp_gathered(layer: Params) -> Params:
+    """One layer's weights (the scan's slice, no layer axis) whole over ``fsdp`` (still split over
+    ``tensor``): each device all-gathers the layer it is about to run, as FSDP / ZeRO-3 does,
+    instead of leaving XLA free to move the row-split activations to the split weights. A no-op
+    without a context mesh or with ``fsdp`` = 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "fsdp" not in mesh.axis_names or mesh.shape["fsdp"] == 1:
+        return layer
+    rules = dataclasses.replace(sharding.AxisRules(), embed=None)
+
+    def one(path, w):
+        keys = ("layers",) + tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
+        logical = sharding.logical_axes(keys, w.ndim + 1)[1:]
+        with warnings.catch_warnings():          # the placement already warned about rules that cannot apply
+            warnings.simplefilter("ignore")
+            spec = sharding.to_pspec(logical, w.shape, mesh, rules)
+        return jax.lax.with_sharding_constraint(w, spec)
+    return jax.tree_util.tree_map_with_path(one, layer)
+
+
+def _rows_split(x: jax.Array) -> jax.Array:
+    """The hidden states ``[B, T, H]`` split on rows over the mesh's batch axes (``data`` x
+    ``fsdp``), ``H`` whole. Under ``fsdp`` the weights are split on ``H``: without this XLA keeps
+    them in place and has every device compute partial sums of *all* rows (activations as large
+    as on one device, an all-reduce per matmul); with it each device keeps its rows and the layer's
+    weights are all-gathered (ZeRO-3 / FSDP). A no-op without a context mesh."""
+    return sharding.constrain_rows(x)
+
+
 def forward(
     params: Params,
     tokens: jax.Array,
@@ -272,7 +304,7 @@ def forward(
     b, t = tokens.shape
     if positions is None:
         positions = position_ids(valid)
-    x = jnp.take(params["embed"], tokens, axis=0)
+    x = _rows_split(jnp.take(params["embed"], tokens, axis=0))
 
     if lora is not None:
         if agent is None:
@@ -300,6 +332,7 @@ def forward(
     if cache is None:
         def body(x, xs):
             p, la_l, lb_l = xs
+            x, p = _rows_split(x), _fsdp_gathered(p)
             x, _ = _block(cfg, x, p, la_l, lb_l, scale, per_row, positions, None, mask, seg, branch_ids is not None)
             return x, None
 
@@ -320,6 +353,7 @@ def forward(
     def cached_body(x, xs):
         p, la_l, lb_l, layer = xs
         cache_in = CacheRead(cache.k, cache.v, layer, ok)
+        x, p = _rows_split(x), _fsdp_gathered(p)
         x, (k_new, v_new) = _block(cfg, x, p, la_l, lb_l, scale, per_row, positions, cache_in, mask, seg)
         return x, (k_new.astype(cache.k.dtype), v_new.astype(cache.v.dtype))
 
