@@ -10,8 +10,12 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from marft_jax.train.compile_count import BACKEND_COMPILE_EVENT, CompileCounter, compile_metrics
+
+# The counts below are compiles: no program may come from the session's persistent cache.
+pytestmark = pytest.mark.usefixtures("no_persistent_compile_cache")
 
 
 def _fresh_fn():

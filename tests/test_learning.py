@@ -45,6 +45,9 @@ from marft_jax.train.iteration import TeamLearner
 from marft_jax.train.prepare import AdvantageConfig
 from tests.toy_relay import RelayTask, ToyChatTokenizer, model_config, pretrain_base
 
+# The runs execute their programs hundreds of times: optimised code pays for its compile.
+pytestmark = pytest.mark.usefixtures("xla_optimized")
+
 SEED = 0
 ROWS, ITERS, K = 128, 30, 2
 LR, CRITIC_LR, EPOCHS, MINIBATCHES, KL_STOP, CLIP = 2e-3, 1e-2, 2, 2, 0.05, 0.2

@@ -81,6 +81,9 @@ from marft_jax.train.prepare import AdvantageConfig
 from tests.toy_mixture import ROLES, MixtureTask, pretrain_mixture_base
 from tests.toy_relay import ToyChatTokenizer, model_config
 
+# The runs execute their programs hundreds of times: optimised code pays for its compile.
+pytestmark = pytest.mark.usefixtures("xla_optimized")
+
 SEED = 0
 ROWS, ITERS, K, LEVEL = 128, 25, 3, "token"
 LR, CRITIC_LR, EPOCHS, MINIBATCHES, KL_STOP, CLIP = 3e-3, 1e-2, 2, 2, 0.05, 0.2

@@ -102,7 +102,7 @@ def test_remat_plans_less_and_removes_the_depth_factor(update_plans):
     assert deep["temp"] <= 1.1 * on["temp"], (deep["temp"], on["temp"])
 
 
-def test_plan_of_real_arrays_compiles_once_and_donates_nothing():
+def test_plan_of_real_arrays_compiles_once_and_donates_nothing(no_persistent_compile_cache):
     """The trainer plans with the real arguments, then calls: one compile, no recompile."""
     base = decoder.init_params(jax.random.key(0), CFG)
     state = init_train_state(jax.random.key(1), CFG, LoraConfig(rank=4), N, OptimConfig())
@@ -119,7 +119,7 @@ def test_plan_of_real_arrays_compiles_once_and_donates_nothing():
     assert plan > 0
 
 
-def test_abstract_structs_share_the_compiled_program():
+def test_abstract_structs_share_the_compiled_program(no_persistent_compile_cache):
     f = jax.jit(lambda x, y: (x * y).sum(0))
     x, y = jnp.ones((300, 5)), jnp.ones((300, 5))
     with CompileCounter.counting() as c:

