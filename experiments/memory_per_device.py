@@ -7,7 +7,8 @@ training iteration runs are lowered and compiled (not run) with abstract base we
 training loop places them (:mod:`marft_jax.train.placement`, ``TeamLearner.place_update``,
 ``Sampler.place_on``):
 
-* ``features``: the critic feature pass (``prepare._packed_hidden_at`` over the packed contexts);
+* ``features``: the critic feature pass over the packed contexts, the value head and the backup
+  (``prepare._values_and_backups``, the one program ``prepare_update_batch`` runs);
 * ``update``: ``rl.update.ppo_update``, every epoch, minibatch and agent of one iteration (critic
   step, then the agent scan with HAPPO weighting and micro-batches), with the packed plan the
   learner builds (``TeamLearner.update_plan``);
@@ -83,7 +84,7 @@ DEFAULT_MESHES = ("8,1,1", "1,8,1", "2,4,1", "1,4,2")
 PROGRAMS = ("features", "update", "sampler_prefill", "sampler_decode_first", "sampler_resize",
             "sampler_decode_last")
 VARIANTS = {"cpu": "", "no_licm": "--xla_disable_hlo_passes=while-loop-invariant-code-motion"}
-JIT_NAMES = {"features": "_packed_hidden_at", "update": "ppo_update", "sampler_prefill": "prefill",
+JIT_NAMES = {"features": "_values_and_backups", "update": "ppo_update", "sampler_prefill": "prefill",
              "sampler_decode_first": "decode", "sampler_resize": "resize", "sampler_decode_last": "decode"}
 
 
@@ -409,10 +410,13 @@ def _measure(args) -> dict:
 
             # --- the feature pass (prepare_update_batch, under the run's mesh context)
             with learner.mesh_context():
-                calls, gather, _, fstats = prepare.feature_inputs(
-                    traj, token_level=token_level, tokens_per_call=prepare.AdvantageConfig().tokens_per_call,
+                acfg = prepare.AdvantageConfig(algo=cfg.algo, ppo=cfg.ppo, rollout=cfg.rollout, share_prefixes=share)
+                calls, gather, n_main, fstats = prepare.feature_inputs(
+                    traj, token_level=token_level, tokens_per_call=acfg.tokens_per_call,
                     policy=learner.prepare_shapes.features, placement=placement, share=share)
-                plan("features", prepare._packed_hidden_at, base, None, calls, gather, cfg=mcfg)
+                backup = placement.replicate(jax.tree.map(np.asarray, prepare.backup_inputs(traj)))
+                plan("features", prepare._values_and_backups, base, state.critic, calls, gather, backup, cfg=mcfg,
+                     acfg=acfg, n_main=n_main)
 
             # --- the update batch as prepare_update_batch leaves it (shapes and dtypes), placed
             f32 = lambda *s: np.zeros(s, np.float32)

@@ -1,10 +1,14 @@
-"""One seeded training iteration of the tiny model, and a greedy sampler call, dumped to a
-file: run by tests/test_multidevice.py in subprocesses with 1 and 8 simulated CPU devices.
+"""Seeded training iterations of the tiny model (and, after one iteration, a greedy sampler
+call), dumped to a file: run by tests/test_multidevice.py in subprocesses with 1, 2 and 8
+simulated CPU devices and in two jax.distributed processes.
 
-Usage: ``python -m tests.multidevice_iteration OUT_DIR MODEL_DIR [DATA,FSDP,TENSOR ...]``: one
-``OUT_DIR/<mesh>.npz`` per mesh (``1`` without a mesh argument: the single-device run). Under
-``jax.distributed`` (``JAX_COORDINATOR_ADDRESS``, ``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``)
-each process writes ``OUT_DIR/<mesh>.p<process>.npz``.
+Usage: ``python -m tests.multidevice_iteration OUT_DIR MODEL_DIR [--iterations N]
+[DATA,FSDP,TENSOR ...]``: one ``OUT_DIR/<mesh>.npz`` per mesh (``1`` without a mesh argument:
+the single-device run). The iterations follow the trainer: problems from ``ProblemStream``
+(each process its own rows), each iteration from the previous one's state (the sampling keys:
+``sampling_key``). Under ``jax.distributed`` (``JAX_COORDINATOR_ADDRESS``,
+``JAX_NUM_PROCESSES``, ``JAX_PROCESS_ID``) each process writes ``OUT_DIR/<mesh>.p<process>.npz``
+with the texts of its own rows only (``row_offset``: the first one's index in the batch).
 """
 
 from __future__ import annotations
@@ -28,19 +32,34 @@ from marft_jax.train.trainer import ProblemStream  # noqa: E402
 ROWS = 8
 
 
-def main(out_dir: str, model_dir: str, *meshes: str) -> None:
+def sampling_key(it: int):
+    """The sampling key of iteration ``it``. The tiny random model's next-token distribution is
+    nearly flat (entropy ~9.5 nats), so the inverse-CDF draw of a row can flip between two
+    tokens on float rounding: a mesh's reordered sums against one device's. ``key(1)`` draws
+    no such row in the first iteration on any tested mesh (the trainer's
+    ``fold_in(key(seed + 1), 0)`` does, on (8,1,1)); later iterations, compared between runs of
+    the same mesh only, fold the iteration in as the trainer does."""
+    return jax.random.key(1) if it == 0 else jax.random.fold_in(jax.random.key(1), it)
+
+
+def main(out_dir: str, model_dir: str, *args: str) -> None:
     import os
 
+    iterations = 1
+    if args[:1] == ("--iterations",):
+        iterations, args = int(args[1]), args[2:]
     proc = f".p{os.environ['JAX_PROCESS_ID']}" if "JAX_COORDINATOR_ADDRESS" in os.environ else ""
-    if not meshes:
-        run_one(Path(out_dir) / f"1{proc}.npz", model_dir)
-    for m in meshes:
+    if not args:
+        run_one(Path(out_dir) / f"1{proc}.npz", model_dir, iterations)
+    for m in args:
         data, fsdp, tensor = m.split(",")
-        run_one(Path(out_dir) / f"{data}_{fsdp}_{tensor}{proc}.npz", model_dir,
+        run_one(Path(out_dir) / f"{data}_{fsdp}_{tensor}{proc}.npz", model_dir, iterations,
                 f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}")
 
 
-def run_one(out: Path, model_dir: str, *overrides: str) -> None:
+def run_one(out: Path, model_dir: str, iterations: int, *overrides: str) -> None:
+    """``iterations`` > 1 or several processes: no greedy call (its programs would only add
+    compile time)."""
     cfg = load_config("demo", [
         f"model.name={model_dir}", f"rollout.rows={ROWS}", "rollout.max_new_tokens=6",
         "rollout.agent_max_new_tokens=null", "rollout.context_window=512", "train.scoring_workers=0",
@@ -49,23 +68,31 @@ def run_one(out: Path, model_dir: str, *overrides: str) -> None:
     run = build_run(cfg)
     try:
         learner = run.learner
-        state = init_train_state(jax.random.key(0), run.model.cfg, cfg.lora, cfg.team.num_agents,
+        state = init_train_state(jax.random.key(cfg.train.seed), run.model.cfg, cfg.lora, cfg.team.num_agents,
                                  cfg.optim, critic_lora=cfg.ppo.critic_lora)
         state = learner.place_state(state)
-        problems = ProblemStream(run.task, 0).take(ROWS)
-        state, metrics, texts = learner.iteration(state, problems, iteration=0, env_samples=0,
-                                                  key=jax.random.key(1))
-        prompts = [run.tokenizer.encode_text(p.text) for p in problems]
-        greedy = learner.sampler(learner.base, prompts, key=jax.random.key(2), lora=state.lora, agent=1,
-                                 config=SamplingConfig(max_new_tokens=8, temperature=0.0))
-        arrays = {"greedy_tokens": greedy.tokens, "greedy_lengths": greedy.lengths}
+        stream = ProblemStream(run.task, cfg.train.seed, rows=learner.rows)
+        metrics, outputs, env_samples = [], [], 0
+        for it in range(iterations):             # as the trainer's loop
+            problems = stream.take(ROWS)
+            state, m, texts = learner.iteration(state, problems, iteration=it, env_samples=env_samples,
+                                                key=sampling_key(it))
+            env_samples = int(m["env_samples"])
+            metrics.append({k: v for k, v in m.items() if isinstance(v, (int, float))
+                            and not k.startswith(("timing_s/", "perf/", "sampler/"))})
+            outputs.append(texts.outputs)
+        arrays = {}
+        if iterations == 1 and learner.rows.single:     # the sampler call takes every row's prompt
+            prompts = [run.tokenizer.encode_text(p.text) for p in problems]
+            greedy = learner.sampler(learner.base, prompts, key=jax.random.key(2), lora=state.lora, agent=1,
+                                     config=SamplingConfig(max_new_tokens=8, temperature=0.0))
+            arrays = {"greedy_tokens": greedy.tokens, "greedy_lengths": greedy.lengths}
         for name, tree in (("lora", state.lora), ("critic", state.critic)):
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
                 arrays[name + jax.tree_util.keystr(path)] = to_host(leaf)
-        kept = {k: v for k, v in metrics.items() if isinstance(v, (int, float))
-                and not k.startswith(("timing_s/", "perf/", "sampler/"))}
-        arrays["metrics"] = np.asarray(json.dumps(kept, sort_keys=True))
-        arrays["outputs"] = np.asarray(json.dumps(texts.outputs))
+        arrays["metrics"] = np.asarray(json.dumps(metrics, sort_keys=True))      # one dict per iteration
+        arrays["outputs"] = np.asarray(json.dumps(outputs))                     # [iteration][step][row][agent]
+        arrays["row_offset"] = np.asarray(learner.rows.bounds(ROWS)[0])
         arrays["devices"] = np.asarray(jax.device_count())
         arrays["processes"] = np.asarray(jax.process_count())
         arrays["mesh"] = np.asarray(json.dumps({} if learner.placement is None

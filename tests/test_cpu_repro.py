@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.synthetic_runs import make_run
-from tests.tiny_run import make_tiny_model_dir, tiny_overrides
+from tests.tiny_run import tiny_overrides
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -23,10 +23,9 @@ def _load():
     return mod
 
 
-def test_cpu_repro_writes_table_and_reuses_finished_runs(tmp_path):
+def test_cpu_repro_writes_table_and_reuses_finished_runs(tmp_path, tiny_model_dir):
     cpu_repro = _load()
-    model = make_tiny_model_dir(tmp_path / "model")
-    over = tiny_overrides(model, tmp_path, "ignored", **{"train.iterations": 2})
+    over = tiny_overrides(tiny_model_dir, tmp_path, "ignored", **{"train.iterations": 2})
     argv = ["--seeds", "0", "--methods", "marft_a", "marft_t", "--runs-dir", str(tmp_path / "runs"),
             "--out", str(tmp_path / "out"), "--no-compile-cache", *over]
     rows = cpu_repro.main(argv)
@@ -77,6 +76,19 @@ def test_method_arms_match_the_trainers_eval_files():
         f = method_fields(load_config(f"cpu_repro/{m}", []))
         assert (f["method"], f["agents"], f["roles"]) == cpu_repro.METHOD_ARMS[m], m
     assert set(cpu_repro.METHOD_ARMS) == set(cpu_repro.METHODS)
+
+
+def test_untrained_rows_are_named_by_their_prompts():
+    """The eval/before.json method: one name per untrained team (MARFT-A and MARFT-T share it,
+    the parallel IPPO team and the single agent do not), as the sweep shares the evaluations."""
+    cpu_repro = _load()
+    from marft_jax.config import load_config
+    from marft_jax.train.trainer import untrained_method
+
+    names = {m: untrained_method(load_config(f"cpu_repro/{m}", [])) for m in cpu_repro.METHODS}
+    assert names["marft_a"] == names["marft_t"] == names["trio_marft_a"] == "untrained base (chained team prompts)"
+    assert names["ippo"] == names["trio_ippo"] == "untrained base (parallel team prompts)"
+    assert names["single"] == "untrained base (single-agent prompt)"
 
 
 # change after training per method (points over the untrained 14 %), one value per seed

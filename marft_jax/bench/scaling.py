@@ -114,9 +114,12 @@ def _measure(args) -> dict:
 
         # feature pass
         policy = packing.ShapePolicy(row_multiple=multiple)
-        calls, gather, _, _ = prepare.feature_inputs(traj, token_level=args.token_level, tokens_per_call=4096,
+        calls, gather, n_main, _ = prepare.feature_inputs(traj, token_level=args.token_level, tokens_per_call=4096,
                                                      policy=policy, placement=placement)
-        costs["features"] = _cost(prepare._packed_hidden_at.lower(base, None, calls, gather, cfg=cfg))
+        backup = prepare._upload(placement, jax.tree.map(np.asarray, prepare.backup_inputs(traj)))
+        with jax.set_mesh(mesh):       # as the run: prepare_update_batch runs under the context mesh
+            costs["features"] = _cost(prepare._values_and_backups.lower(
+                base, CriticParams(head=state.critic.head), calls, gather, backup, cfg=cfg, acfg=acfg, n_main=n_main))
 
         # update (packed policy rows, as a training run)
         shapes = prepare.PrepareShapes()

@@ -236,7 +236,7 @@ def _fsdp_gathered(layer: Params) -> Params:
     rules = dataclasses.replace(sharding.AxisRules(), embed=None)
 
     def one(path, w):
-        keys = ("layers",) + tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
+        keys = ("layers",) + sharding.path_keys(path)
         logical = sharding.logical_axes(keys, w.ndim + 1)[1:]
         with warnings.catch_warnings():          # the placement already warned about rules that cannot apply
             warnings.simplefilter("ignore")

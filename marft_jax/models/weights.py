@@ -8,14 +8,16 @@ unknown keys raise :class:`CheckpointError` naming the tensor and the file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import numpy as np
 
 from marft_jax.models.config import ModelConfig
+from marft_jax.models.safetensors_mmap import SafetensorsError, SafetensorsFile
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _LAYER_KEYS = {
@@ -59,6 +61,86 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    """Where one leaf of our pytree comes from: HF tensor ``names`` (one per layer when
+    ``stacked``), transposed from HF's ``[out, in]`` to our ``[in, out]`` when ``transpose``."""
+
+    names: tuple[str, ...]
+    stacked: bool = False
+    transpose: bool = False
+
+    def read(self, get: Callable[[str], np.ndarray], index: tuple | None, dtype) -> np.ndarray:
+        """The leaf, or its block ``index`` (slices in our layout), as a ``dtype`` array; only
+        that block is read where ``get`` returns lazy (memory-mapped) arrays."""
+        def one(name: str, idx: tuple | None) -> np.ndarray:
+            arr = get(name)
+            block = arr if idx is None else arr[idx[::-1] if self.transpose else idx]
+            return np.asarray(block).T if self.transpose else np.asarray(block)
+
+        if self.stacked:
+            layers = self.names if index is None else self.names[index[0]]
+            rest = None if index is None else tuple(index[1:])
+            return np.stack([one(n, rest) for n in layers]).astype(dtype, copy=False)
+        return np.array(one(self.names[0], None if index is None else tuple(index)), dtype=dtype, order="C")
+
+
+def leaf_sources(cfg: ModelConfig) -> dict[tuple[str, ...], _Leaf]:
+    """Our parameter path (keys into the decoder pytree) -> the HF tensors it is made of."""
+    want = expected_shapes(cfg)
+    leaves = {("embed",): _Leaf(("model.embed_tokens.weight",)), ("final_norm",): _Leaf(("model.norm.weight",))}
+    if not cfg.tie_word_embeddings:
+        leaves[("lm_head",)] = _Leaf(("lm_head.weight",), transpose=True)
+    for suffix, path in _LAYER_KEYS.items():
+        if f"model.layers.0.{suffix}" in want:
+            leaves[("layers", *path)] = _Leaf(tuple(f"model.layers.{i}.{suffix}" for i in range(cfg.num_layers)),
+                                              stacked=True, transpose=path[-1] == "kernel")
+    return leaves
+
+
+def leaf_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
+    """Our parameter path -> its shape (layers stacked first, kernels ``[in, out]``)."""
+    want = expected_shapes(cfg)
+    out = {}
+    for path, leaf in leaf_sources(cfg).items():
+        shape = want[leaf.names[0]][::-1] if leaf.transpose else want[leaf.names[0]]
+        out[path] = ((len(leaf.names),) if leaf.stacked else ()) + tuple(shape)
+    return out
+
+
+def _nest(flat: dict[tuple[str, ...], object]) -> dict:
+    tree: dict = {}
+    for path, value in flat.items():
+        node = tree
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return tree
+
+
+def check_tensors(cfg: ModelConfig, present: list[str], source: str,
+                  shape_of: Callable[[str], tuple[int, ...]] | None = None) -> None:
+    """Raise :class:`CheckpointError` for an unknown or missing tensor, or (with ``shape_of``)
+    one of the wrong shape, naming it and ``source``."""
+    want = expected_shapes(cfg)
+    unknown = [n for n in present if n not in want and not _IGNORABLE.search(n)
+               and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
+    if unknown:
+        raise CheckpointError(f"{source}: unknown tensor(s) {unknown[:5]}"
+                              f"{' …' if len(unknown) > 5 else ''} for a {cfg.arch} model")
+    missing = [n for n in want if n not in set(present)]
+    if missing:
+        raise CheckpointError(f"{source}: missing tensor {missing[0]!r}"
+                              f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
+    for name in want if shape_of is not None else ():
+        _check_shape(name, tuple(shape_of(name)), want[name], source)
+
+
+def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...], source: str) -> None:
+    if got != want:
+        raise CheckpointError(f"{source}: tensor {name!r} has shape {got}, expected {want} for this config")
+
+
 def params_from_state_dict(
     cfg: ModelConfig,
     tensors: Mapping[str, np.ndarray] | Callable[[str], np.ndarray],
@@ -78,51 +160,35 @@ def params_from_state_dict(
       CheckpointError: a tensor is missing, has the wrong shape, or is unknown.
     """
     get = tensors.__getitem__ if isinstance(tensors, Mapping) else tensors
-    present = list(tensors.keys()) if names is None else list(names)
+    check_tensors(cfg, list(tensors.keys()) if names is None else list(names), source)
     want = expected_shapes(cfg)
-    unknown = [n for n in present if n not in want and not _IGNORABLE.search(n)
-               and not (cfg.tie_word_embeddings and n == "lm_head.weight")]
-    if unknown:
-        raise CheckpointError(f"{source}: unknown tensor(s) {unknown[:5]}"
-                              f"{' …' if len(unknown) > 5 else ''} for a {cfg.arch} model")
-    missing = [n for n in want if n not in set(present)]
-    if missing:
-        raise CheckpointError(f"{source}: missing tensor {missing[0]!r}"
-                              f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
 
-    def load(name: str) -> np.ndarray:
-        arr = np.asarray(get(name))
-        if tuple(arr.shape) != want[name]:
-            raise CheckpointError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, "
-                                  f"expected {want[name]} for this config")
-        return arr.astype(dtype)
+    def checked(name: str) -> np.ndarray:
+        arr = get(name)
+        _check_shape(name, tuple(np.shape(arr)), want[name], source)
+        return arr
 
-    n = cfg.num_layers
-    layers: dict = {}
-    for suffix, path in _LAYER_KEYS.items():
-        if f"model.layers.0.{suffix}" not in want:
-            continue
-        stacked = np.stack([load(f"model.layers.{i}.{suffix}") for i in range(n)])
-        if path[-1] == "kernel":
-            stacked = np.ascontiguousarray(np.swapaxes(stacked, 1, 2))  # [out, in] -> [in, out]
-        node = layers
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = stacked
-    params = {"embed": load("model.embed_tokens.weight"), "layers": layers,
-              "final_norm": load("model.norm.weight")}
-    if not cfg.tie_word_embeddings:
-        params["lm_head"] = np.ascontiguousarray(load("lm_head.weight").T)
-    return params
+    return _nest({path: leaf.read(checked, None, dtype) for path, leaf in leaf_sources(cfg).items()})
 
 
-def load_hf_checkpoint(path: str | Path, dtype=np.float32) -> tuple[ModelConfig, dict]:
+ShardingsFn = Callable[[ModelConfig, dict], Any]
+
+
+def load_hf_checkpoint(path: str | Path, dtype=np.float32, place: ShardingsFn | None = None) -> tuple[ModelConfig, dict]:
     """Load ``config.json`` + safetensors from an HF model directory.
 
-    Returns ``(ModelConfig, params)`` with numpy leaves (put them on devices with
-    ``jax.device_put`` or ``marft_jax.models.sharding.shard_params``).
+    Returns ``(ModelConfig, params)``. Without ``place`` the leaves are whole NumPy arrays of
+    ``dtype``. With ``place`` (``(cfg, pytree of jax.ShapeDtypeStruct) -> pytree of
+    Sharding``) they are global ``jax.Array``s born sharded: each leaf is built by
+    :func:`jax.make_array_from_callback`, which asks for the blocks of this process's devices
+    only, and each block is read from the memory-mapped file alone, so no process holds the
+    whole model on the host (a replicated leaf is read whole by every process).
+
+    Tensors may be stored in any float dtype, bfloat16 included (``safetensors_mmap``).
     """
-    from safetensors import safe_open
+    import jax
+
+    from marft_jax.models import sharding
 
     root = Path(path)
     if not root.exists():
@@ -147,15 +213,34 @@ def load_hf_checkpoint(path: str | Path, dtype=np.float32) -> tuple[ModelConfig,
         if not files:
             raise CheckpointError(f"{root}: no *.safetensors files")
         weight_map = {}
-    handles = {}
+    handles: dict[str, SafetensorsFile] = {}
     for f in files:
         fp = root / f
         if not fp.is_file():
             raise CheckpointError(f"{index}: shard {f!r} is listed but missing")
-        handles[f] = safe_open(str(fp), framework="numpy")
+        try:
+            handles[f] = SafetensorsFile(fp)
+        except SafetensorsError as e:
+            raise CheckpointError(str(e)) from None
         if not index.is_file():
             for k in handles[f].keys():
                 weight_map[k] = f
-    return cfg, params_from_state_dict(
-        cfg, lambda n: handles[weight_map[n]].get_tensor(n), names=list(weight_map),
-        source=str(root), dtype=dtype)
+    for name, f in weight_map.items():
+        if name not in handles[f].keys():
+            raise CheckpointError(f"{index}: tensor {name!r} is listed in {f!r} but not stored there")
+    get = lambda n: handles[weight_map[n]].array(n)
+    if place is None:
+        return cfg, params_from_state_dict(cfg, get, names=list(weight_map), source=str(root), dtype=dtype)
+
+    check_tensors(cfg, list(weight_map), str(root), shape_of=lambda n: handles[weight_map[n]].shape(n))
+    shapes = leaf_shapes(cfg)
+    abstract = _nest({p: jax.ShapeDtypeStruct(s, dtype) for p, s in shapes.items()})
+    shardings = place(cfg, abstract)
+    sources = leaf_sources(cfg)
+
+    def born(path, target):
+        keys = sharding.path_keys(path)
+        leaf = sources[keys]
+        return jax.make_array_from_callback(shapes[keys], target, lambda idx: leaf.read(get, idx, dtype))
+
+    return cfg, jax.tree_util.tree_map_with_path(born, shardings)

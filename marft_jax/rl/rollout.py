@@ -14,7 +14,7 @@ accepted (``score ≥ success_threshold``), the horizon is reached (terminal), o
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Protocol, Sequence
 
 import jax
 import numpy as np
@@ -46,6 +46,15 @@ FEEDBACK = "The answer is incorrect."
 GenerateFn = Callable[[Sequence[Sequence[int]], np.ndarray, int, jax.Array], Generation]
 # transcripts -> scores (in order); the trainer passes a pooled scorer
 ScoreFn = Callable[[Sequence[Transcript]], Sequence[Score]]
+
+
+class RowGroup(Protocol):
+    """The processes that play one batch together, each its own rows
+    (:class:`marft_jax.train.hosts.ProcessRows`); every process calls these together."""
+
+    def any(self, flag: bool) -> bool: ...
+
+    def max(self, value: int) -> int: ...
 
 
 @dataclasses.dataclass
@@ -109,16 +118,25 @@ def rollout(
     key: jax.Array,
     min_context_bucket: int = 16,
     feedback: str = FEEDBACK,
+    group: RowGroup | None = None,
 ) -> tuple[Trajectory, RolloutTexts]:
     """Play one batch of episodes and return the trajectory (numpy arrays) and the texts.
 
     ``min_context_bucket``: the smallest context bucket (power-of-two buckets above it);
-    ``feedback``: the environment's message after an unsuccessful step."""
+    ``feedback``: the environment's message after an unsuccessful step.
+
+    ``group``: with several processes, ``problems`` are this process's rows and ``generate``
+    runs every process's prompts together (``marft_jax.train.iteration.make_generate``); the
+    step loop runs while any process has a live row (a process without one makes its sampler
+    calls with no prompts) and the context bucket is the largest over the processes, so every
+    process makes the same calls and returns arrays of the same ``S, N, L, K``. None: one
+    process."""
     B, N, S = len(problems), team.num_agents, cfg.steps
     graph = team.graph(cfg.mode)
     if graph.num_agents != N:
         raise ValueError(f"the team graph has {graph.num_agents} agents, the team {N}")
-    calls_made = 0
+    calls_made = steps_played = 0
+    anyone = (lambda flag: flag) if group is None else group.any
     # agents whose critic state is the joint history, not their own context
     joint = [i for i in range(N)
              if graph.critic_reads_all_earlier(team.layer_links) and graph.parents[i] != tuple(range(i))]
@@ -147,7 +165,7 @@ def rollout(
     def run(calls: list[tuple[int, int, list[int]]], s: int, k: jax.Array) -> None:
         """Generate for (row, agent, prompt) triples and store the results at step s."""
         agents = np.array([a for _, a, _ in calls], np.int32)
-        budget = max(cfg.budget(a) for a in agents)
+        budget = max((cfg.budget(a) for a in agents), default=0)   # no calls: this process has no live row
         nonlocal has_policy_logp, calls_made
         calls_made += 1
         with jax.profiler.TraceAnnotation(f"rollout/step{s}/agents{'+'.join(map(str, sorted(set(agents.tolist()))))}"):
@@ -170,8 +188,9 @@ def rollout(
 
     for s in range(S):
         rows = np.flatnonzero(active)
-        if rows.size == 0:
+        if not anyone(rows.size > 0):
             break
+        steps_played += 1
         step_mask[s, rows] = True
         key, *agent_keys = jax.random.split(key, N + 1)
         for layer in graph.layers:   # a layer samples with its first agent's key
@@ -212,9 +231,9 @@ def rollout(
                     boot[(b, i)] = _context(team, problems[b], i, history[b], {}, cfg, tokenizer)
         active[rows[term | trunc]] = False
 
-    L = length_bucket(max([len(p) for p in ctx.values()] + [len(p) for p in boot.values()]
-                          + [len(p) for p in critic_ctx.values()] + [1]),
-                      minimum=min_context_bucket)
+    longest = max([len(p) for p in ctx.values()] + [len(p) for p in boot.values()]
+                  + [len(p) for p in critic_ctx.values()] + [1])
+    L = length_bucket(longest if group is None else group.max(longest), minimum=min_context_bucket)
     pad = tokenizer.pad_id
     ctx_tokens = np.full((S, B, N, L), pad, np.int32)
     ctx_valid = np.zeros((S, B, N, L), bool)
@@ -244,5 +263,4 @@ def rollout(
                       entropy=entropy if has_policy_logp else None,
                       critic_ctx_tokens=critic_tokens, critic_ctx_valid=critic_valid)
     traj.check()
-    played = int(step_mask.any(-1).sum())
-    return traj, RolloutTexts(outputs=outputs, infos=infos, sampler_calls=calls_made / max(played, 1))
+    return traj, RolloutTexts(outputs=outputs, infos=infos, sampler_calls=calls_made / max(steps_played, 1))

@@ -22,6 +22,7 @@ from marft_jax.rl import topology
 from marft_jax.rl.rollout import Team
 from marft_jax.rl.update import UpdateConfig
 from marft_jax.sampling.sampler import Sampler
+from marft_jax.train.hosts import ProcessRows
 from marft_jax.train.iteration import TeamLearner
 from marft_jax.train.placement import Placement
 from marft_jax.train.prepare import AdvantageConfig
@@ -131,17 +132,21 @@ def build_run(cfg: Config) -> Run:
         decode_impl = cache_attention.resolve(cfg.model.decode_attention, dtype=dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    model = registry.load_model(cfg.model.name, dtype=dtype)
+    placements: list[Placement] = []
+
+    def place(model_cfg, abstract_params):
+        """The mesh (checked against the model's config) and the base weights' shardings."""
+        placements.append(Placement(distributed.build_mesh(cfg.mesh, model_cfg, rows=cfg.rollout.rows),
+                                    strict=cfg.mesh.strict))
+        return placements[-1].base_shardings(abstract_params)
+
+    try:        # with several devices the base weights are born sharded (each process reads its blocks)
+        model = registry.load_model(cfg.model.name, dtype=dtype, place=place if jax.device_count() > 1 else None)
+    except sharding.ShardingRuleError as e:
+        raise ConfigError(str(e)) from None
+    placement = placements[-1] if placements else None
     model = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, attention=impl,
                                                                decode_attention=decode_impl))
-    placement = None
-    if jax.device_count() > 1:
-        mesh = distributed.build_mesh(cfg.mesh, model.cfg, rows=cfg.rollout.rows)
-        placement = Placement(mesh, strict=cfg.mesh.strict)
-        try:
-            model = dataclasses.replace(model, params=placement.base(model.params))
-        except sharding.ShardingRuleError as e:
-            raise ConfigError(str(e)) from None
     print(distributed.describe_devices(None if placement is None else placement.mesh)
           + ("" if plan.initialize else f" ({plan.why})"), flush=True)
     tok = HFChatTokenizer(model.tokenizer, stop_ids=model.stop_token_ids)
@@ -162,5 +167,6 @@ def build_run(cfg: Config) -> Run:
         pack_sequences=cfg.ppo.pack_sequences,
         share_prefixes=share,
         placement=placement,
+        rows=ProcessRows.of_this_process(),
     )
     return Run(config=cfg, model=model, tokenizer=tok, task=task, team=team, pool=pool, learner=learner)

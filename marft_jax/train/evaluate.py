@@ -17,6 +17,7 @@ import numpy as np
 from marft_jax.envs.task import Problem, Transcript
 from marft_jax.rl import layout
 from marft_jax.rl.state import TrainState
+from marft_jax.train.hosts import ProcessRows
 from marft_jax.train.iteration import TeamLearner
 
 
@@ -44,9 +45,15 @@ class EvalResult:
 
 def evaluate(learner: TeamLearner, state: TrainState, problems: Sequence[Problem], *, temperature: float,
              seeds: Sequence[int], batch_size: int = 32, keep_examples: int = 3) -> EvalResult:
-    """Play the team on ``problems`` once per seed and grade it."""
+    """Play the team on ``problems`` once per seed and grade it.
+
+    ``problems``: the whole evaluation set, the same on every process. With several processes
+    each plays, decodes and grades its own block of every chunk (``learner.rows``); the
+    per-agent grades and the examples are gathered, so every process returns the same result.
+    """
     sampling = dataclasses.replace(learner.rollout_cfg, temperature=temperature, top_k=0, top_p=1.0)
     roles = learner.team.roles
+    rows = getattr(learner, "rows", None) or ProcessRows()     # a learner-like object without rows: one process
     team, per_agent = [], {r: [] for r in roles}
     examples: list[dict] = []
     for seed in seeds:
@@ -54,23 +61,30 @@ def evaluate(learner: TeamLearner, state: TrainState, problems: Sequence[Problem
         key = jax.random.key(seed)
         for start in range(0, len(problems), batch_size):
             chunk = list(problems[start:start + batch_size])
+            lo, hi = rows.bounds(len(chunk))
+            mine = chunk[lo:hi]
             key, k = jax.random.split(key)
-            traj, texts = learner.play(state, chunk, k, sampling=sampling)
+            traj, texts = learner.play(state, mine, k, sampling=sampling)     # traj: the whole chunk
             step_mask = np.asarray(traj.step_mask)
             last = np.asarray(layout.last_played_step(step_mask))              # [B]
             final = np.asarray(traj.score)[last, np.arange(len(chunk))]
             passed = final >= learner.rollout_cfg.success_threshold
             correct += list(passed)
-            outs = [tuple(texts.outputs[last[b]][b]) for b in range(len(chunk))]
-            transcripts = [Transcript(p, o, i) for p, o in zip(chunk, outs) for i in range(len(roles))]
-            scores = learner.score_fn(transcripts)
-            for j, s in enumerate(scores):
-                agent_correct[roles[j % len(roles)]].append(s.reward >= learner.rollout_cfg.success_threshold)
-            if len(examples) < keep_examples:
-                for b in range(min(keep_examples - len(examples), len(chunk))):
-                    examples.append({"problem": chunk[b].text, "answer": chunk[b].answer,
-                                     "outputs": dict(zip(roles, outs[b])), "correct": bool(passed[b]),
-                                     "info": texts.infos[last[b]][b]})
+            outs = [tuple(texts.outputs[last[lo + b]][b]) for b in range(len(mine))]
+            transcripts = [Transcript(p, o, i) for p, o in zip(mine, outs) for i in range(len(roles))]
+            grades = [s.reward >= learner.rollout_cfg.success_threshold for s in learner.score_fn(transcripts)]
+            mine_examples = []
+            for b in range(min(keep_examples - len(examples), len(mine))):
+                mine_examples.append({"problem": mine[b].text, "answer": mine[b].answer,
+                                      "outputs": dict(zip(roles, outs[b])), "correct": bool(passed[lo + b]),
+                                      "info": texts.infos[last[lo + b]][b]})
+            if not rows.single:
+                parts = rows.gather((grades, mine_examples))
+                grades = [g for part in parts for g in part[0]]
+                mine_examples = [e for part in parts for e in part[1]]
+            for j, g in enumerate(grades):
+                agent_correct[roles[j % len(roles)]].append(g)
+            examples += mine_examples[:max(keep_examples - len(examples), 0)]
         team.append(float(np.mean(correct)))
         for r in roles:
             per_agent[r].append(float(np.mean(agent_correct[r])))

@@ -28,6 +28,7 @@ from marft_jax.rl.state import TrainState
 from marft_jax.rl.update import UpdateConfig, ppo_update
 from marft_jax.sampling.sampler import Sampler, SamplingConfig
 from marft_jax.train import host_memory
+from marft_jax.train.hosts import ProcessRows, gather_trajectory
 from marft_jax.train import memory_plan
 from marft_jax.train import metrics as metrics_lib
 from marft_jax.train.compile_count import CompileCounter, compile_metrics
@@ -41,7 +42,7 @@ def interval_agent(env_samples: int, interval: int, offset: int, num_agents: int
 
 
 def make_generate(sampler: Sampler, base, lora, sampling: SamplingConfig | RolloutConfig,
-                  policy_temperature: float = 1.0) -> rollout_lib.GenerateFn:
+                  policy_temperature: float = 1.0, rows: ProcessRows | None = None) -> rollout_lib.GenerateFn:
     """Adapt the sampler to the rollout's ``GenerateFn`` (adapters selected per row).
 
     ``sampling``: the sampler's settings (``max_new_tokens``, ``temperature``, ``top_k``,
@@ -49,14 +50,31 @@ def make_generate(sampler: Sampler, base, lora, sampling: SamplingConfig | Rollo
 
     ``policy_temperature``: the training temperature; the sampler's log-probs and entropies at
     it are PPO's old log-probs (``prepare.py``).
+
+    ``rows``: with several processes, each passes its own rows' prompts (possibly none); the
+    sampler runs on every process's prompts concatenated in process order (the order one
+    process would give them: the same per-row randomness and shapes), with the largest budget,
+    and each process gets its own rows of the result (``[n_local, K]``).
     """
 
-    def generate(prompts: Sequence[Sequence[int]], agents: np.ndarray, max_new: int, key) -> Generation:
+    def sample(prompts, agents: np.ndarray, max_new: int, key):
         agent = int(agents[0]) if np.all(agents == agents[0]) else [int(a) for a in agents]
-        out = sampler(base, prompts, key=key, config=sampling, lora=lora, agent=agent,
-                      budget=min(max_new, sampling.max_new_tokens), policy_temperature=policy_temperature)
-        return Generation(tokens=out.tokens, lengths=out.lengths, logp=out.logps,
-                          policy_logp=out.policy_logps, entropy=out.entropies)
+        return sampler(base, prompts, key=key, config=sampling, lora=lora, agent=agent,
+                       budget=min(max_new, sampling.max_new_tokens), policy_temperature=policy_temperature)
+
+    def generate(prompts: Sequence[Sequence[int]], agents: np.ndarray, max_new: int, key) -> Generation:
+        lo, hi = 0, len(prompts)
+        if rows is not None and not rows.single:
+            parts = rows.gather(([list(map(int, p)) for p in prompts], np.asarray(agents, np.int32), int(max_new)))
+            lo = sum(len(p[0]) for p in parts[:rows.index])
+            hi = lo + len(prompts)
+            prompts = [p for part in parts for p in part[0]]
+            agents = np.concatenate([part[1] for part in parts])
+            max_new = max(part[2] for part in parts)
+        out = sample(prompts, agents, max_new, key)
+        cut = lambda x: None if x is None else x[lo:hi]
+        return Generation(tokens=cut(out.tokens), lengths=cut(out.lengths), logp=cut(out.logps),
+                          policy_logp=cut(out.policy_logps), entropy=cut(out.entropies))
 
     return generate
 
@@ -98,6 +116,9 @@ class TeamLearner:
     on_stage: Callable[[str, float], None] | None = None
     # The run's mesh placement (marft_jax.train.placement); None: one device, nothing placed.
     placement: object | None = None
+    # This process's rows of every batch (marft_jax.train.hosts): with several processes,
+    # play / iteration take this process's problems and return the global trajectory.
+    rows: ProcessRows = dataclasses.field(default_factory=ProcessRows)
 
     def _report(self, stage: str, seconds: float) -> None:
         if self.on_stage is not None:
@@ -120,12 +141,20 @@ class TeamLearner:
 
         ``sampling``: other sampler settings (evaluation's temperature); None: the rollout
         section's. Old log-probs are always at the training temperature (``rollout.temperature``).
+
+        With several processes (``self.rows``), ``problems`` are this process's rows
+        (``self.rows.share`` of the batch); it builds, decodes and scores only those, and
+        the texts hold only those, but the trajectory is the whole batch ``[S, B, ...]``
+        (every process's rows in process order), the same on every process.
         """
         rcfg = self.rollout_cfg
-        gen = make_generate(self.sampler, self.base, state.lora, sampling or rcfg, policy_temperature=rcfg.temperature)
+        gen = make_generate(self.sampler, self.base, state.lora, sampling or rcfg, policy_temperature=rcfg.temperature,
+                            rows=self.rows)
         traj, texts = rollout_lib.rollout(problems, team=self.team, tokenizer=self.tokenizer, generate=gen,
                                           score=self.score_fn, cfg=rcfg, key=key,
-                                          min_context_bucket=max(16, self.context_bucket))
+                                          min_context_bucket=max(16, self.context_bucket),
+                                          group=None if self.rows.single else self.rows)
+        traj = gather_trajectory(self.rows, traj)
         self.context_bucket = max(self.context_bucket, traj.shape[3])
         return traj, texts
 

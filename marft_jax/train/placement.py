@@ -24,7 +24,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from marft_jax.models import sharding
-from marft_jax.models.sharding import to_host  # noqa: F401 (re-exported)
+from marft_jax.models.sharding import put as _put, to_host  # noqa: F401 (re-exported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +48,14 @@ class Placement:
     def row_sharding(self, ndim: int, axis: int) -> NamedSharding:
         return sharding.batch_sharding(self.mesh, ndim, self.rules, batch_axis=axis)
 
+    def base_shardings(self, params: Any) -> Any:
+        """The base weights' shardings by the rules (``params``: arrays or ShapeDtypeStructs;
+        warns, or raises when strict, where a rule cannot apply)."""
+        return sharding.param_shardings(params, self.mesh, self.rules, strict=self.strict)
+
     def base(self, params: Any) -> Any:
-        """Base weights placed by the rules (warns, or raises when strict, where a rule cannot apply)."""
-        shardings = sharding.param_shardings(params, self.mesh, self.rules, strict=self.strict)
-        return jax.tree.map(_put, params, shardings)
+        """Base weights placed by the rules (:meth:`base_shardings`)."""
+        return jax.tree.map(_put, params, self.base_shardings(params))
 
     def replicate(self, tree: Any) -> Any:
         return jax.tree.map(lambda x: _put(x, self.replicated), tree)
@@ -68,13 +72,3 @@ class Placement:
     def tree_rows(self, tree: Any, axis: int) -> Any:
         """Every leaf of ``tree`` by :meth:`rows` on ``axis``."""
         return jax.tree.map(lambda x: self.rows(x, axis), tree)
-
-
-def _put(x, target: NamedSharding):
-    """``x`` (host or device array) as a global array with sharding ``target``."""
-    if isinstance(x, jax.Array):
-        if x.is_fully_addressable and jax.process_count() == 1:
-            return jax.device_put(x, target)
-        return jax.jit(lambda a: a, out_shardings=target)(x)      # a global array: reshard in place
-    host = np.asarray(x)
-    return jax.make_array_from_callback(host.shape, target, lambda index: host[index])

@@ -168,13 +168,25 @@ def _values_and_backups(base, critic: CriticParams, calls: tuple[packing.PackedR
     value head, the bootstrap values and the backup, in one program."""
     S, B, N, K = x.act_valid.shape
     out = _packed_hidden_at_fn(base, critic.lora, calls, gather, cfg=cfg)
+    # Every row's values and backup depend on that row alone: under a context mesh they stay
+    # split over the row shards (else each device would compute the whole batch's backup).
+    x = _BackupInputs(**{f.name: sharding.constrain_rows(getattr(x, f.name), axis=0 if f.name == "boot_ctx_valid" else 1)
+                         for f in dataclasses.fields(x)})
     feats = layout.unflatten_responses(out[:n_main] if acfg.algo.token_level else out[:n_main, 0], (S, B, N))
-    boot = layout.unflatten_agents(out[n_main:, 0], N)
+    feats = sharding.constrain_rows(feats, axis=1)
+    boot = sharding.constrain_rows(layout.unflatten_agents(out[n_main:, 0], N), axis=0)
     v_boot = jnp.where(x.boot_ctx_valid.any(-1), value_head(critic.head, boot), 0.0).astype(jnp.float32)
     value, dp, placed, adv, ret = _advantages_fn(
         value_head(critic.head, feats), x.act_valid, x.step_mask, x.score, x.agent_score, x.terminal,
         x.truncated, v_boot, acfg=acfg)
     return _Prepared(feats=feats, value=value, v_boot=v_boot, dp=dp, placed=placed, adv=adv, ret=ret)
+
+
+def backup_inputs(traj: Trajectory) -> _BackupInputs:
+    """The trajectory arrays :func:`_values_and_backups` reads besides the packed rows."""
+    return _BackupInputs(act_valid=traj.act_valid, step_mask=traj.step_mask, score=traj.score,
+                         agent_score=traj.agent_score, terminal=traj.terminal, truncated=traj.truncated,
+                         boot_ctx_valid=traj.boot_ctx_valid)
 
 
 def _calls(rows: packing.PackedRows, per_call: int) -> packing.PackedRows:
@@ -317,9 +329,7 @@ def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Traj
                                                   tokens_per_call=acfg.tokens_per_call, policy=shapes.features,
                                                   placement=placement, share=acfg.share_prefixes)
     host = {"act_tokens": traj.act_tokens, "word_count": traj.word_count,
-            "backup": _BackupInputs(act_valid=traj.act_valid, step_mask=traj.step_mask, score=traj.score,
-                                    agent_score=traj.agent_score, terminal=traj.terminal,
-                                    truncated=traj.truncated, boot_ctx_valid=traj.boot_ctx_valid)}
+            "backup": backup_inputs(traj)}
     if from_sampler:
         host["logp"] = traj.policy_logp
     if keep_contexts:

@@ -32,18 +32,25 @@ from marft_jax.rl.state import TrainState, init_train_state
 from marft_jax.train.build import Run, build_run
 from marft_jax.train.checkpoint import CheckpointManager, nonfinite_leaves
 from marft_jax.train.evaluate import EvalResult, evaluate
+from marft_jax.train.hosts import ProcessRows
 from marft_jax.train.metric_sinks import require_installed
 from marft_jax.train.metrics import MetricsWriter
 
 
 class ProblemStream:
-    """Endless, seeded stream of training problems; ``position`` = problems consumed so far.
+    """Endless, seeded stream of training problems; ``position`` = problems consumed so far
+    (by all processes together).
 
-    Pass p of the split uses order ``task.problems("train", seed + p)``.
+    Pass p of the split uses order ``task.problems("train", seed + p)``. ``rows``: with several
+    processes, :meth:`take` returns this process's contiguous block of the next ``n`` problems
+    (:meth:`~marft_jax.train.hosts.ProcessRows.bounds`); the processes' blocks are disjoint
+    and cover the batch, and the position (saved with checkpoints) counts all ``n``, so a
+    resumed run draws the same blocks.
     """
 
-    def __init__(self, task: Task, seed: int, position: int = 0):
+    def __init__(self, task: Task, seed: int, position: int = 0, rows: ProcessRows | None = None):
         self.task, self.seed = task, seed
+        self.rows = rows or ProcessRows()
         self.position = 0
         self._pass = 0
         self._it = iter(task.problems("train", seed))
@@ -64,7 +71,10 @@ class ProblemStream:
         return p
 
     def take(self, n: int) -> list[Problem]:
-        return [self._next() for _ in range(n)]
+        """This process's problems of the next ``n`` (all ``n`` on one process)."""
+        lo, hi = self.rows.bounds(n)
+        drawn = [self._next() for _ in range(n)]     # a task's order is an iterator: every problem is drawn
+        return drawn[lo:hi]
 
 
 def run_dir_for(cfg: Config) -> Path:
@@ -114,7 +124,7 @@ def _eval_and_save(run: Run, state: TrainState, problems, cfg: Config, run_dir: 
     out.mkdir(parents=True, exist_ok=True)
     fields = method_fields(cfg)
     if tag == "before":
-        fields["method"] = "untrained base (team prompts)"
+        fields["method"] = untrained_method(cfg)
     doc = {"tag": tag, "benchmark": run.task.name, "problems": len(problems),
            "temperature": cfg.train.eval_temperature if temperature is None else temperature,
            **fields, "seeds": res.team, **res.summary(), "examples": res.examples}
@@ -125,6 +135,16 @@ def _eval_and_save(run: Run, state: TrainState, problems, cfg: Config, run_dir: 
 def is_primary() -> bool:
     """Process 0 writes logs, evaluations, plots and summaries (every process computes them)."""
     return jax.process_index() == 0
+
+
+def untrained_method(cfg: Config) -> str:
+    """The table's name of the untrained team a run starts from: the base model with the run's
+    prompts. Chained and parallel teams see different prompts (agent i reads agents < i, or
+    only the task), so they are different rows; MARFT-A and MARFT-T share theirs."""
+    if cfg.team.num_agents == 1:
+        return "untrained base (single-agent prompt)"
+    parallel = cfg.rollout.mode == "parallel" or cfg.team.graph == "independent"
+    return f"untrained base ({'parallel' if parallel else 'chained'} team prompts)"
 
 
 def method_fields(cfg: Config) -> dict:
@@ -192,7 +212,7 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
     sink_options = {"wandb": {**dataclasses.asdict(cfg.train.wandb), "config": to_dict(cfg)}}
     writer = MetricsWriter(run_dir, cfg.train.loggers, resume_step=start if start else None, enabled=is_primary(),
                            options=sink_options)
-    stream = ProblemStream(run.task, cfg.train.seed, position)
+    stream = ProblemStream(run.task, cfg.train.seed, position, rows=learner.rows)
     eval_problems = list(itertools.islice(run.task.problems("test", 0), cfg.train.eval_problems))
     if not eval_problems:
         raise ValueError(f"task {run.task.name!r} has no test problems for evaluation")
