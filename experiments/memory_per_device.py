@@ -449,25 +449,26 @@ def _measure(args) -> dict:
             sampling = sampler_lib.SamplingParams.make(r.temperature, r.top_k, r.top_p,
                                                        policy_temperature=r.temperature)
             static = dict(top_k_max=sampler_lib.top_k_bucket(r.top_k, mcfg.vocab_size), use_top_p=r.top_p < 1.0)
-            pre = plan("sampler_prefill", sampler_lib.prefill, base, state.lora, smp._rows(pb.tokens),
-                       smp._rows(pb.valid), smp._rows(pb.active), jnp.int32(0),
-                       jnp.asarray(sampler_lib.stop_id_array(stop_ids)), jax.random.key(0), sampling,
-                       jnp.int32(K), jnp.int32(pad_id), cfg=mcfg, max_new_tokens=K, slots=length + phases[0],
-                       **static)
-            caches = []
-            floor = jnp.int32(rows // 2 if rows // 2 >= smp.min_compact_batch else -1)
-            if pre is not None:
-                st = _out_structs(pre)
-                caches.append(st.cache)
-                plan("sampler_decode_first", sampler_lib.decode, base, state.lora, st, floor, cfg=mcfg, **static)
-                if len(phases) > 1:    # the cache grows into the last phase (no row finished: no compaction)
-                    res = plan("sampler_resize", sampler_lib.resize, st, jnp.arange(rows, dtype=jnp.int32),
-                               jnp.ones((rows,), bool), slots=length + phases[-1])
-                    if res is not None:
-                        st = _out_structs(res)
-                        caches.append(st.cache)
-                        plan("sampler_decode_last", sampler_lib.decode, base, state.lora, st, floor, cfg=mcfg,
-                             **static)
+            with smp._mesh_context():      # as Sampler.__call__ runs them
+                pre = plan("sampler_prefill", sampler_lib.prefill, base, state.lora, smp._rows(pb.tokens),
+                           smp._rows(pb.valid), smp._rows(pb.active), jnp.int32(0),
+                           jnp.asarray(sampler_lib.stop_id_array(stop_ids)), jax.random.key(0), sampling,
+                           jnp.int32(K), jnp.int32(pad_id), cfg=mcfg, max_new_tokens=K, slots=length + phases[0],
+                           **static)
+                caches = []
+                floor = jnp.int32(rows // 2 if rows // 2 >= smp.min_compact_batch else -1)
+                if pre is not None:
+                    st = _out_structs(pre)
+                    caches.append(st.cache)
+                    plan("sampler_decode_first", sampler_lib.decode, base, state.lora, st, floor, cfg=mcfg, **static)
+                    if len(phases) > 1:    # the cache grows into the last phase (no row finished: no compaction)
+                        res = plan("sampler_resize", sampler_lib.resize, st, jnp.arange(rows, dtype=jnp.int32),
+                                   jnp.ones((rows,), bool), slots=length + phases[-1])
+                        if res is not None:
+                            st = _out_structs(res)
+                            caches.append(st.cache)
+                            plan("sampler_decode_last", sampler_lib.decode, base, state.lora, st, floor, cfg=mcfg,
+                                 **static)
             kv = max(caches, key=_bytes_per_device) if caches else None
             resident = {"base": _bytes_per_device(base),
                         "lora_and_adamw": _bytes_per_device((state.lora, state.lora_opt)),

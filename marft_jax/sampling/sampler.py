@@ -669,7 +669,9 @@ class Sampler:
         limit = int(np.clip(max_new if budget is None else budget, 1, max_new))
         phases = decode_phases(length, max_new)
         t0 = time.perf_counter()
-        with jax.profiler.TraceAnnotation("sampler/prefill"):
+        # Under the run's context mesh the decoder keeps the rows split (with mesh.fsdp: each
+        # layer's weights gathered, not every row's partial sums all-reduced).
+        with jax.profiler.TraceAnnotation("sampler/prefill"), self._mesh_context():
             state = prefill(params, lora, self._rows(batch.tokens), self._rows(batch.valid),
                             self._rows(batch.active), agent_arr, stop, key, sampling, jnp.int32(limit),
                             jnp.int32(self.pad_id), cfg=self.cfg, max_new_tokens=max_new,
@@ -677,7 +679,7 @@ class Sampler:
             jax.block_until_ready(state.last)
         t1 = time.perf_counter()
         weight_bytes = sum(device_bytes(x) for x in jax.tree.leaves((params, lora)))
-        with jax.profiler.TraceAnnotation("sampler/decode"):
+        with jax.profiler.TraceAnnotation("sampler/decode"), self._mesh_context():
             state = self._decode_phases(params, lora, state, length, phases, limit, top_k_max, use_top_p,
                                         weight_bytes)
             res = self._host(result_of(state))
@@ -731,5 +733,4 @@ class Sampler:
                 gather, keep = np.arange(rows, dtype=np.int32), np.ones(rows, bool)
             with warnings.catch_warnings():     # a resized cache cannot reuse the donated one
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                with self._mesh_context():
-                    state = resize(state, jnp.asarray(gather), jnp.asarray(keep), slots=slots)
+                state = resize(state, jnp.asarray(gather), jnp.asarray(keep), slots=slots)
