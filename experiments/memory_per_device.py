@@ -463,7 +463,7 @@ def _measure(args) -> dict:
                     plan("sampler_decode_first", sampler_lib.decode, base, state.lora, st, floor, cfg=mcfg, **static)
                     if len(phases) > 1:    # the cache grows into the last phase (no row finished: no compaction)
                         res = plan("sampler_resize", sampler_lib.resize, st, jnp.arange(rows, dtype=jnp.int32),
-                                   jnp.ones((rows,), bool), slots=length + phases[-1])
+                                   jnp.ones((rows,), bool), slots=length + phases[-1], compact=False)
                         if res is not None:
                             st = _out_structs(res)
                             caches.append(st.cache)

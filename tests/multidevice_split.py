@@ -116,11 +116,12 @@ def sampler_resize() -> dict:
     resized: list = []
     resize = sampler_lib.resize
 
-    def spy(state, rows, keep, *, slots):
-        out = resize(state, rows, keep, slots=slots)
+    def spy(state, rows, keep, *, slots, compact=True):
+        hlo = resize.lower(state, rows, keep, slots=slots, compact=compact).compile().as_text()
+        out = resize(state, rows, keep, slots=slots, compact=compact)
         flops = None if label == "tensor" else _flops(sampler_lib.decode.lower(
             base, None, out, jnp.int32(-1), cfg=CFG, top_k_max=0, use_top_p=False).compile())
-        resized.append((out.cache, flops))
+        resized.append((out.cache, flops, compact, hlo.count("all-gather(")))
         return out
 
     sampler_lib.resize = spy
@@ -135,10 +136,11 @@ def sampler_resize() -> dict:
         res = smp(base, prompts, key=jax.random.key(3),
                   config=sampler_lib.SamplingConfig(max_new_tokens=64, temperature=0.0))
         assert resized, "the call never resized its cache"
-        cache, flops = resized[-1]
+        cache, flops, compact, all_gathers = resized[-1]
         out[label] = {"k_shard_shape": list(cache.k.sharding.shard_shape(cache.k.shape)),
                       "k_shape": list(cache.k.shape), "valid_shard_shape":
-                      list(cache.valid.sharding.shard_shape(cache.valid.shape)), "decode_flops": flops}
+                      list(cache.valid.sharding.shard_shape(cache.valid.shape)), "decode_flops": flops,
+                      "compacted": compact, "resize_all_gathers": all_gathers}
         tokens[label] = res.tokens
         resized.clear()
     out["flops_1_device"] = out["1_device"]["decode_flops"]

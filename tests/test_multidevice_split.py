@@ -58,6 +58,9 @@ def test_sampler_resize_keeps_the_cache_split_over_the_rows():
     assert r["tensor"]["k_shard_shape"][1:3] == [rows // (d // 2), r["1_device"]["k_shape"][2] // 2], r
     assert r["flops_per_device"] <= 1.2 / d * r["flops_1_device"], r
     assert r["max_abs_diff"] == 0, r                                # greedy tokens identical
+    # no row finished, so the cache only grew: each device padded its own rows, nothing gathered
+    for label in ("mesh", "tensor"):
+        assert not r[label]["compacted"] and r[label]["resize_all_gathers"] == 0, r
 
 
 @pytest.mark.multidevice

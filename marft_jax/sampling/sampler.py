@@ -435,8 +435,8 @@ def decode(params: Params, lora: lora_lib.LoraStack | None, state: SamplerState,
     return jax.lax.while_loop(keep_going, step, state)
 
 
-@functools.partial(jax.jit, static_argnames=("slots",), donate_argnums=(0,))
-def resize(state: SamplerState, rows: jax.Array, keep: jax.Array, *, slots: int) -> SamplerState:
+@functools.partial(jax.jit, static_argnames=("slots", "compact"), donate_argnums=(0,))
+def resize(state: SamplerState, rows: jax.Array, keep: jax.Array, *, slots: int, compact: bool = True) -> SamplerState:
     """Compact the working batch and/or grow the cache between decode phases.
 
     rows: ``[new_batch]`` int32 working-row indices to gather; keep: ``[new_batch]`` bool, False
@@ -447,12 +447,20 @@ def resize(state: SamplerState, rows: jax.Array, keep: jax.Array, *, slots: int)
     Under a context mesh the working rows stay split over the row shards (a gather with a
     replicated index would otherwise return the cache whole on every device, and the next
     decode phase would compute every row on every device).
+
+    compact: False when ``rows`` is every working row in order and ``keep`` all True (the cache
+    only grows): the rows are not gathered at all, so each device pads its own rows in place
+    (the gather all-gathers the cache on a mesh, even for the identity).
     """
     old = state.cache.k.shape[3]
     if slots < old:
         raise ValueError(f"resize: slots={slots} < current {old}")
     grow = ((0, 0), (0, 0), (0, 0), (0, slots - old), (0, 0))
     split = functools.partial(sharding.constrain_rows, keep_other_axes=True)
+    if not compact:
+        return state.replace(cache=decoder.KVCache(
+            k=split(jnp.pad(state.cache.k, grow), 1), v=split(jnp.pad(state.cache.v, grow), 1),
+            valid=jnp.pad(state.cache.valid, ((0, 0), (0, slots - old))), index=state.cache.index))
     take = lambda x: split(jnp.take(x, rows, axis=0))
     cache = decoder.KVCache(
         k=split(jnp.pad(jnp.take(state.cache.k, rows, axis=1), grow), 1),
@@ -733,4 +741,5 @@ class Sampler:
                 gather, keep = np.arange(rows, dtype=np.int32), np.ones(rows, bool)
             with warnings.catch_warnings():     # a resized cache cannot reuse the donated one
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                state = resize(state, jnp.asarray(gather), jnp.asarray(keep), slots=slots)
+                state = resize(state, jnp.asarray(gather), jnp.asarray(keep), slots=slots,
+                               compact=new_rows < rows)
