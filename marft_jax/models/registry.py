@@ -137,10 +137,11 @@ def load_model(name_or_path: str | Path, dtype=None, place=None) -> LoadedModel:
         cfg, params = gguf_loader.load_gguf_checkpoint(reader)
         tokenizer = gguf_loader.gguf_tokenizer(reader)
         stops = stop_token_ids(cfg, tokenizer)
-    if place is None or not path.is_dir():
+    if place is None:
         params = _to_jax(params, dtype)
-    if place is not None and not path.is_dir():
+    elif not path.is_dir():        # a GGUF file: read whole, then placed from the host arrays
+        params = jax.tree.map(lambda x: np.asarray(x, np.dtype(dtype)), params)
         shardings = place(cfg, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
-        params = jax.tree.map(lambda x, s: sharding.put(np.asarray(x), s), params, shardings)
+        params = jax.tree.map(sharding.put, params, shardings)
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer,
                        stop_token_ids=stops, source=str(path))

@@ -16,6 +16,8 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from flax import traverse_util
+
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.safetensors_mmap import SafetensorsError, SafetensorsFile
 
@@ -108,16 +110,6 @@ def leaf_shapes(cfg: ModelConfig) -> dict[tuple[str, ...], tuple[int, ...]]:
     return out
 
 
-def _nest(flat: dict[tuple[str, ...], object]) -> dict:
-    tree: dict = {}
-    for path, value in flat.items():
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return tree
-
-
 def check_tensors(cfg: ModelConfig, present: list[str], source: str,
                   shape_of: Callable[[str], tuple[int, ...]] | None = None) -> None:
     """Raise :class:`CheckpointError` for an unknown or missing tensor, or (with ``shape_of``)
@@ -168,7 +160,7 @@ def params_from_state_dict(
         _check_shape(name, tuple(np.shape(arr)), want[name], source)
         return arr
 
-    return _nest({path: leaf.read(checked, None, dtype) for path, leaf in leaf_sources(cfg).items()})
+    return traverse_util.unflatten_dict({path: leaf.read(checked, None, dtype) for path, leaf in leaf_sources(cfg).items()})
 
 
 ShardingsFn = Callable[[ModelConfig, dict], Any]
@@ -234,13 +226,19 @@ def load_hf_checkpoint(path: str | Path, dtype=np.float32, place: ShardingsFn | 
 
     check_tensors(cfg, list(weight_map), str(root), shape_of=lambda n: handles[weight_map[n]].shape(n))
     shapes = leaf_shapes(cfg)
-    abstract = _nest({p: jax.ShapeDtypeStruct(s, dtype) for p, s in shapes.items()})
+    abstract = traverse_util.unflatten_dict({p: jax.ShapeDtypeStruct(s, dtype) for p, s in shapes.items()})
     shardings = place(cfg, abstract)
     sources = leaf_sources(cfg)
 
     def born(path, target):
         keys = sharding.path_keys(path)
-        leaf = sources[keys]
-        return jax.make_array_from_callback(shapes[keys], target, lambda idx: leaf.read(get, idx, dtype))
+        leaf, blocks = sources[keys], {}
+
+        def block(idx):    # devices holding the same block (replicas) share one read
+            key = tuple((sl.start, sl.stop, sl.step) for sl in idx)
+            if key not in blocks:
+                blocks[key] = leaf.read(get, idx, dtype)
+            return blocks[key]
+        return jax.make_array_from_callback(shapes[keys], target, block)
 
     return cfg, jax.tree_util.tree_map_with_path(born, shardings)
