@@ -1,7 +1,10 @@
 """Greedy accuracy of the untrained embedded model (default Duo prompts) per arithmetic level.
 
 Usage: python experiments/calibrate_arithmetic.py [--levels 1 2 3 4 5] [--problems 64] [PRESET overrides...]
-Prints one JSON line per level and a Markdown table (recorded in docs/tasks.md).
+Prints one JSON line per level and a Markdown table (recorded in docs/tasks.md). ``accuracy``
+is what a run reports: the team's (its answering agent's answer), or for independent agents
+(``rollout.mode=parallel``) the mean of the per-agent accuracies; ``team_accuracy`` is the
+team verdict (independent agents: all correct).
 """
 
 from __future__ import annotations
@@ -38,17 +41,18 @@ def main() -> None:
         problems = list(itertools.islice(run.task.problems("test", 0), args.problems))
         t0 = time.perf_counter()
         res = evaluate(run.learner, state, problems, temperature=0.0, seeds=[0], batch_size=args.batch)
-        row = {"level": level, "problems": len(problems), "team_accuracy": res.mean,
+        row = {"level": level, "problems": len(problems), "accuracy": res.mean,
+               "team_accuracy": res.summary()["team_mean"], "independent": res.independent,
                "per_agent": res.summary()["per_agent_mean"], "seconds": round(time.perf_counter() - t0, 1),
                "model": cfg.model.name, "profile": cfg.team.profile,
                "max_new_tokens": cfg.rollout.max_new_tokens, "machine": platform.processor() or platform.machine()}
         print(json.dumps(row), flush=True)
         rows.append(row)
         run.close()
-    print("\n| level | team accuracy (greedy) | " + " | ".join(rows[0]["per_agent"]) + " |")
-    print("|---|---|" + "---|" * len(rows[0]["per_agent"]))
+    print("\n| level | accuracy (greedy) | team verdict | " + " | ".join(rows[0]["per_agent"]) + " |")
+    print("|---|---|---|" + "---|" * len(rows[0]["per_agent"]))
     for r in rows:
-        print(f"| {r['level']} | {100 * r['team_accuracy']:.1f}% | "
+        print(f"| {r['level']} | {100 * r['accuracy']:.1f}% | {100 * r['team_accuracy']:.1f}% | "
               + " | ".join(f"{100 * v:.1f}%" for v in r["per_agent"].values()) + " |")
 
 

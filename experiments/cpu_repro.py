@@ -93,13 +93,6 @@ def _commit() -> str:
         return "unknown"
 
 
-def _rewards(run_dir: Path) -> list[float]:
-    """Training reward (``episode/score_mean``) per iteration from the run's metrics.jsonl."""
-    from marft_jax.train.run_records import train_reward
-
-    return [v for _, v in sorted(train_reward(run_dir).items())]
-
-
 def untrained_key(cfg) -> str:
     """What the untrained team's greedy evaluation depends on. LoRA B starts at zero, so the
     untrained team is the base model whatever the seed: runs with equal keys (MARFT-A and
@@ -155,6 +148,11 @@ def _pm(mean: float, se: float, signed: bool = False) -> str:
     return text + (f" ± {se:.1f}" if math.isfinite(se) else "")
 
 
+def _num(x: float, spec: str = ".1f") -> str:
+    """``x`` formatted, ``–`` where undefined (a spread of one seed)."""
+    return format(x, spec) if x is not None and math.isfinite(x) else "–"
+
+
 def _interval(c: dict) -> str:
     if c["low_pp"] is None:
         return "–"
@@ -191,30 +189,18 @@ def collect_rows(runs_dir: Path, methods=None, seeds=None) -> list[dict]:
         rec = read_run(d)
         if rec.finished:
             found.append((int(seed), list(METHODS).index(m), m, rec))
-    rows = []
-    for seed, _, m, rec in sorted(found, key=lambda t: t[:2]):
-        rows.append({"method": m, "seed": seed, "accuracy_before": rec.before, "accuracy_after": rec.after,
-                     "delta": rec.after - rec.before, "iterations": rec.iterations, "wall_s": rec.wall_s,
-                     "train_reward": [v for _, v in sorted(rec.train_reward.items())],
-                     "heldout": rec.curve, "benchmark": rec.benchmark})
-    return rows
+    return [run_row(m, seed, rec) for seed, _, m, rec in sorted(found, key=lambda t: t[:2])]
 
 
-def _with_heldout(rows: list[dict], runs_dir: Path | None) -> list[dict]:
-    """Rows with their held-out curve (iteration -> accuracy) and benchmark where the run folder
-    is known."""
-    if runs_dir is None:
-        return rows
-    from marft_jax.train.run_records import read_run
-
-    out = []
-    for r in rows:
-        d = runs_dir / f"{r['method']}-s{r['seed']}"
-        if "heldout" not in r and d.is_dir():
-            rec = read_run(d)
-            r = {**r, "heldout": rec.curve, "benchmark": rec.benchmark}
-        out.append(r)
-    return out
+def run_row(method: str, seed: int, rec) -> dict:
+    """One finished run (a ``run_records.RunRecord``) as a row of the results. Accuracies are
+    what the run reports (independent PPO: the mean over agents); ``all_correct_*``: the
+    fraction of episodes whose every agent is correct (independent PPO only, else None)."""
+    return {"method": method, "seed": seed, "accuracy_before": rec.before, "accuracy_after": rec.after,
+            "delta": rec.after - rec.before, "all_correct_before": rec.all_correct_before,
+            "all_correct_after": rec.all_correct_after, "iterations": rec.iterations, "wall_s": rec.wall_s,
+            "train_reward": [v for _, v in sorted(rec.train_reward.items())],
+            "heldout": rec.curve, "benchmark": rec.benchmark}
 
 
 def _by_method(rows: list[dict]) -> dict[str, list[dict]]:
@@ -238,17 +224,22 @@ def statistics(rows: list[dict], **boot) -> dict:
 def paper_rows(rows: list[dict]) -> list[dict]:
     """Rows of ``marft_jax.train.table`` (its layout writers): each method's held-out accuracy
     after training, its seeds pooled per benchmark (the runs' task; :data:`BENCHMARK` where a
-    row does not say). The same as ``marft-jax table RUNS_DIR --tag after``."""
-    from marft_jax.train.table import cell_stats
+    row does not say); independent PPO also as a row of its all-correct accuracy. The same as
+    ``marft-jax table RUNS_DIR --tag after``."""
+    from marft_jax.train.table import ALL_CORRECT, cell_stats
 
     out = []
     for m, rs in _by_method(rows).items():
         method, agents, roles = METHOD_ARMS[m]
-        pooled: dict[str, list[float]] = {}
-        for r in rs:
-            pooled.setdefault(r.get("benchmark") or BENCHMARK, []).append(r["accuracy_after"])
-        out.append({"method": method, "agents": agents, "roles": roles, "per_agent": {},
-                    "cells": {b: cell_stats(v) for b, v in sorted(pooled.items())}})
+        kinds = [(method, "accuracy_after")]
+        if all(r.get("all_correct_after") is not None for r in rs):
+            kinds.append((method + ALL_CORRECT, "all_correct_after"))
+        for name, key in kinds:
+            pooled: dict[str, list[float]] = {}
+            for r in rs:
+                pooled.setdefault(r.get("benchmark") or BENCHMARK, []).append(r[key])
+            out.append({"method": name, "agents": agents, "roles": roles, "per_agent": {},
+                        "cells": {b: cell_stats(v) for b, v in sorted(pooled.items())}})
     return out
 
 
@@ -286,13 +277,16 @@ def _results_md(rows: list[dict], stats: dict, table_md: str, command: str, wall
         "",
         "## Table (paper layout)",
         "",
-        "Held-out team accuracy after training.",
+        "Held-out accuracy after training: the team's (its answering agent's answer); for independent PPO",
+        "the mean of the per-agent accuracies (reference §10), and beside it the fraction of problems that",
+        "every agent answered correctly.",
         "",
         table_md.rstrip(),
         "",
         "## Change per method, against independent PPO of the same team size",
         "",
-        "Single and Duo methods against Duo IPPO, Trio methods against Trio IPPO.",
+        "Single and Duo methods against Duo IPPO, Trio methods against Trio IPPO. Independent PPO's",
+        "accuracy is the mean of its agents' accuracies.",
         "",
         "| method | team | seeds | before | after | change | change − IPPO's change | 95 % interval | verdict |",
         "|---|---|---:|---:|---:|---:|---:|---:|---|",
@@ -305,18 +299,32 @@ def _results_md(rows: list[dict], stats: dict, table_md: str, command: str, wall
         lines.append(f"| {_label(m)} | {team(m)} | {s['n']} | {_pm(s['before_mean_pp'], s['before_se_pp'])} | "
                      f"{_pm(s['after_mean_pp'], s['after_se_pp'])} | "
                      f"{_pm(s['change_mean_pp'], s['change_se_pp'], signed=True)} | {cmp_cells} |")
+    independent = {m: rs for m, rs in _by_method(rows).items()
+                   if all(r.get("all_correct_after") is not None and r.get("all_correct_before") is not None
+                          for r in rs)}
+    if independent:
+        from marft_jax.train.repro_stats import seed_summary
+
+        lines += ["", "## Independent PPO: every agent correct", "",
+                  "The fraction of problems that every agent answered correctly (the episode's verdict, not "
+                  "compared above).", "",
+                  "| method | team | seeds | before | after | change |", "|---|---|---:|---:|---:|---:|"]
+        for m, rs in independent.items():
+            ac = seed_summary([r["all_correct_before"] for r in rs], [r["all_correct_after"] for r in rs])
+            lines.append(f"| {_label(m)} | {team(m)} | {ac['n']} | {_pm(ac['before_mean_pp'], ac['before_se_pp'])} | "
+                         f"{_pm(ac['after_mean_pp'], ac['after_se_pp'])} | "
+                         f"{_pm(ac['change_mean_pp'], ac['change_se_pp'], signed=True)} |")
     lines += ["", "## Stability", "",
               "Seed-to-seed spread: the sample std of the change over seeds; worst seed: the lowest change.", "",
               "| method | team | seeds | spread of the change | worst seed's change |", "|---|---|---:|---:|---:|"]
     for m, s in stats["methods"].items():
-        spread = f"{s['change_std_pp']:.1f}" if math.isfinite(s["change_std_pp"]) else "–"
-        lines.append(f"| {_label(m)} | {team(m)} | {s['n']} | {spread} | {s['worst_change_pp']:+.1f} |")
+        lines.append(f"| {_label(m)} | {team(m)} | {s['n']} | {_num(s['change_std_pp'])} | {s['worst_change_pp']:+.1f} |")
     lines += ["", "## Comparisons", "",
               "| comparison | estimate (points) | 95 % interval | verdict |", "|---|---:|---:|---|"]
     for c in stats["spread"]:
-        lines.append(f"| spread of the change: {_short(c['a'])} ({c['std_a_pp']:.1f}) − {_short(c['b'])} "
-                     f"({c['std_b_pp']:.1f}); worst seeds {c['worst_a_pp']:+.1f} vs {c['worst_b_pp']:+.1f} | "
-                     f"{c['estimate_pp']:+.1f} | {_interval(c)} | {c['verdict']} |")
+        lines.append(f"| spread of the change: {_short(c['a'])} ({_num(c['std_a_pp'])}) − {_short(c['b'])} "
+                     f"({_num(c['std_b_pp'])}); worst seeds {c['worst_a_pp']:+.1f} vs {c['worst_b_pp']:+.1f} | "
+                     f"{_num(c['estimate_pp'], '+.1f')} | {_interval(c)} | {c['verdict']} |")
     for c in stats["margin"]:
         (a1, b1), (a2, b2) = c["small"], c["large"]
         lines.append(f"| margin over IPPO, {team(a2)} − {team(a1)}: ({_short(a2)} − {_short(b2)}: "
@@ -325,11 +333,14 @@ def _results_md(rows: list[dict], stats: dict, table_md: str, command: str, wall
     for c in stats["differences"]:
         lines.append(f"| change of {_short(c['a'])} − change of {_short(c['b'])} | {c['estimate_pp']:+.1f} | "
                      f"{_interval(c)} | {c['verdict']} |")
-    lines += ["", "## Per seed", "", "| method | seed | before | after | change | iterations | wall (s) |",
-              "|---|---:|---:|---:|---:|---:|---:|"]
+    lines += ["", "## Per seed", "",
+              "| method | seed | before | after | change | every agent correct: before → after | iterations | wall (s) |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        both = r.get("all_correct_before") is not None and r.get("all_correct_after") is not None
+        all_correct = (f"{100 * r['all_correct_before']:.1f} → {100 * r['all_correct_after']:.1f}" if both else "–")
         lines.append(f"| {r['method']} | {r['seed']} | {100 * r['accuracy_before']:.1f} | "
-                     f"{100 * r['accuracy_after']:.1f} | {100 * r['delta']:+.1f} | {r['iterations']} | "
+                     f"{100 * r['accuracy_after']:.1f} | {100 * r['delta']:+.1f} | {all_correct} | {r['iterations']} | "
                      f"{r['wall_s'] if r['wall_s'] is not None else '–'} |")
     if figures:
         lines += ["", "## Figures", ""] + [f"![{f}]({f})" for f in figures]
@@ -378,13 +389,12 @@ def write_results(rows: list[dict], out: Path, command: str, wall_s: float, runs
     from marft_jax.train.table import render
 
     out.mkdir(parents=True, exist_ok=True)
-    rows = _with_heldout(rows, runs_dir)
     with open(out / "results.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["method", "seed", "accuracy_before", "accuracy_after",
-                                          "delta", "iterations", "wall_s"])
+        w = csv.DictWriter(f, fieldnames=["method", "seed", "accuracy_before", "accuracy_after", "delta",
+                                          "all_correct_before", "all_correct_after", "iterations", "wall_s"])
         w.writeheader()
         for r in rows:
-            w.writerow({k: r[k] for k in w.fieldnames})
+            w.writerow({k: r.get(k) for k in w.fieldnames})
     stats = statistics(rows)
     table = paper_rows(rows)
     (out / "table.tex").write_text(render(table, "latex"), encoding="utf-8")
@@ -449,6 +459,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     import jax
 
+    from marft_jax.train.run_records import read_run
+
     runs_dir = Path(a.runs_dir).resolve()
     runs_dir.mkdir(parents=True, exist_ok=True)
     if not a.no_compile_cache:
@@ -467,16 +479,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         s = run_one(m, seed, a.overrides, runs_dir, untrained)
         if bar is not None:
             bar.update(1)
-        rows.append({"method": m, "seed": seed, "accuracy_before": s["accuracy_before"],
-                     "accuracy_after": s["accuracy_after"],
-                     "delta": s["accuracy_after"] - s["accuracy_before"],
-                     "iterations": s["iterations"], "wall_s": s.get("wall_s"),
-                     "train_reward": _rewards(Path(s["run_dir"]))})
-        write_results(rows, Path(a.out), command.strip(), time.perf_counter() - t0)
+        rows.append(run_row(m, seed, read_run(Path(s["run_dir"]))))
+        write_results(rows, Path(a.out), command.strip(), time.perf_counter() - t0, runs_dir=runs_dir)
     if bar is not None:
         bar.close()
-    # The loop's results lack the held-out curves (read from the run folders): write them once more.
-    write_results(rows, Path(a.out), command.strip(), time.perf_counter() - t0, runs_dir=runs_dir)
     print(f"[cpu_repro] results in {a.out}/results.md", flush=True)
     return rows
 

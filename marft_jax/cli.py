@@ -53,7 +53,8 @@ def cmd_train(args) -> int:
     fmt = lambda x: "not evaluated" if x is None else f"{x:.3f}"
     print()
     if after is not None:
-        print(f"team accuracy on held-out problems: {fmt(before)} -> {fmt(after)}")
+        what = "mean accuracy of the independent agents" if summary.get("independent") else "team accuracy"
+        print(f"{what} on held-out problems: {fmt(before)} -> {fmt(after)}")
     else:
         print(f"stopped after {summary['iterations']} iterations (accuracy before: {fmt(before)}); "
               f"run the same command again to resume")

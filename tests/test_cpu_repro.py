@@ -159,3 +159,42 @@ def test_aggregate_only_errors(tmp_path):
     with pytest.raises(SystemExit, match="no finished run in .*runs"):
         cpu_repro.main(["--aggregate-only", "--runs-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "o")])
     assert not (tmp_path / "o").exists()
+
+
+def test_independent_ppo_reports_the_mean_of_its_agents(tmp_path):
+    """Reference §10: independent PPO's accuracy is the mean of its agents' accuracies; the
+    all-correct verdict goes beside it. The eval files predate the ``independent`` key and the
+    untrained label that names parallel prompts (as the sweep's first runs wrote them): the run's
+    config.yaml says the agents are independent. A later seed reads the untrained evaluation of
+    the run it shares it with."""
+    from marft_jax.train.table import aggregate, render
+
+    cpu_repro = _load()
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    for s, (planner, solver, all_correct) in enumerate([(0.60, 0.66, 0.47), (0.50, 0.70, 0.40)]):
+        make_run(runs, f"ippo-s{s}", method="independent PPO", agents=2, seed=s, before=0.12, after=all_correct,
+                 before_method="untrained base (team prompts)", share_before=s > 0, before_from="ippo-s0", mode="parallel",
+                 per_agent_before={"planner": 0.24, "solver": 0.30},
+                 per_agent_after={"planner": planner, "solver": solver})
+    make_run(runs, "marft_a-s0", method="MARFT-A", agents=2, before=0.14, after=0.39,
+             per_agent_after={"planner": 0.16, "solver": 0.39})
+    rows = cpu_repro.main(["--aggregate-only", "--runs-dir", str(runs), "--out", str(out), "--seeds", "0", "1"])
+    ippo = [r for r in rows if r["method"] == "ippo"]
+    assert [r["accuracy_before"] for r in ippo] == pytest.approx([0.27, 0.27])    # shared: ippo-s0's before.json
+    assert [r["accuracy_after"] for r in ippo] == pytest.approx([0.63, 0.60])
+    assert [r["all_correct_after"] for r in ippo] == pytest.approx([0.47, 0.40])
+    assert [r["all_correct_before"] for r in ippo] == pytest.approx([0.12, 0.12])
+    marft = next(r for r in rows if r["method"] == "marft_a")                     # the answering agent, not a mean
+    assert marft["accuracy_after"] == pytest.approx(0.39) and marft["all_correct_after"] is None
+
+    md = (out / "results.md").read_text()
+    assert "| Duo | independent PPO | named | 61.5 ± 1.5 (n=2) |" in md
+    assert "|  | independent PPO (all agents correct) | named | 43.5 ± 3.5 (n=2) |" in md
+    assert "## Independent PPO: every agent correct" in md
+    assert "| ippo | 0 | 27.0 | 63.0 | +36.0 | 12.0 → 47.0 |" in md
+
+    table = aggregate([runs / "ippo-s0", runs / "ippo-s1"], tags=["after"])        # marft-jax table: the same cells
+    assert [r["method"] for r in table] == ["independent PPO", "independent PPO (all agents correct)"]
+    assert table[0]["cells"]["arithmetic"]["seeds"] == pytest.approx([0.63, 0.60])
+    assert table[1]["cells"]["arithmetic"]["seeds"] == pytest.approx([0.47, 0.40])
+    assert "every agent's answer accepted" in render(table, "markdown")

@@ -1,9 +1,12 @@
 """Evaluation: the team (or the base model with team prompts) on held-out problems, N seeds.
 
-Team accuracy = fraction of episodes whose answering agent's final answer is accepted.
-Per-agent accuracy grades every agent's own output of the final step as if it answered
-(shows how far the chain carries the answer). Reference §12: T = 0.6, 5 seeds, mean ±
-population std of the per-seed accuracies.
+Team accuracy = fraction of episodes whose answering agent's final answer is accepted; for
+independent agents (every agent answers alone), whose agents' mean score reaches the success
+threshold (all correct, at 0/1 scores). Per-agent accuracy grades every agent's own output of the
+final step as if it answered (shows how far the chain carries the answer). The accuracy a run
+reports (:attr:`EvalResult.mean`) is the team accuracy, or for independent agents the mean of the
+per-agent accuracies (reference §10). Reference §12: T = 0.6, 5 seeds, mean ± population std of
+the per-seed accuracies.
 """
 
 from __future__ import annotations
@@ -23,22 +26,33 @@ from marft_jax.train.iteration import TeamLearner
 
 @dataclasses.dataclass
 class EvalResult:
-    """Per-seed accuracies (fractions in [0, 1])."""
+    """Per-seed accuracies (fractions in [0, 1]). ``independent``: every agent answers alone."""
 
     team: list[float]
     per_agent: dict[str, list[float]]
     examples: list[dict]
+    independent: bool = False
+
+    @property
+    def accuracy(self) -> list[float]:
+        """Per seed, what a run reports: ``team``, or for independent agents the mean over agents."""
+        if not self.independent:
+            return list(self.team)
+        return [float(v) for v in np.mean([self.per_agent[r] for r in self.per_agent], axis=0)]
 
     @property
     def mean(self) -> float:
-        return float(np.mean(self.team))
+        return float(np.mean(self.accuracy))
 
     @property
     def std(self) -> float:
-        return float(np.std(self.team))  # population std, as G3's aggregator
+        return float(np.std(self.accuracy))  # population std, as G3's aggregator
 
     def summary(self) -> dict:
-        return {"team_mean": self.mean, "team_std": self.std, "team": self.team,
+        """The eval file's numbers; ``team*`` is the team verdict (all correct for independent
+        agents), ``accuracy*`` what the run reports."""
+        return {"accuracy_mean": self.mean, "accuracy_std": self.std, "accuracy": self.accuracy,
+                "team_mean": float(np.mean(self.team)), "team_std": float(np.std(self.team)), "team": self.team,
                 "per_agent": dict(self.per_agent),
                 "per_agent_mean": {k: float(np.mean(v)) for k, v in self.per_agent.items()}}
 
@@ -88,4 +102,5 @@ def evaluate(learner: TeamLearner, state: TrainState, problems: Sequence[Problem
         team.append(float(np.mean(correct)))
         for r in roles:
             per_agent[r].append(float(np.mean(agent_correct[r])))
-    return EvalResult(team=team, per_agent=per_agent, examples=examples)
+    return EvalResult(team=team, per_agent=per_agent, examples=examples,
+                      independent=learner.team.graph(learner.rollout_cfg.mode).independent)

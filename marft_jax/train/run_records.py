@@ -22,7 +22,7 @@ from typing import Iterable, NamedTuple
 import numpy as np
 
 from marft_jax.train.metric_sinks import METRICS_FILE, read_metrics
-from marft_jax.train.table import EVAL_DIR, read_result
+from marft_jax.train.table import EVAL_DIR, every_agent_answers, headline_seeds, read_result, run_is_independent
 
 PERIODIC = re.compile(r"iter(\d+)\.json$")
 _MARKERS = ("summary.json", "config.yaml", METRICS_FILE, EVAL_DIR)
@@ -44,9 +44,13 @@ class RunRecord:
       arm: its method/agents/roles from the trained team's evaluation (None before the first one).
       benchmark: the evaluated task (None before the first trained evaluation).
       seed: ``train.seed`` from ``config.yaml`` (None if absent).
-      before, after: held-out accuracy of the untrained / trained team (``summary.json``, else
-        ``eval/before.json``; None when not measured yet). A run that shares another run's
-        untrained evaluation has it in ``summary.json``'s ``accuracy_before``.
+      before, after: held-out accuracy of the untrained / trained team (``eval/before.json`` and
+        ``eval/after.json``, else ``summary.json``; None when not measured yet): for independent
+        agents the mean of the per-agent accuracies (``table.headline_seeds``). A run that shares
+        another run's untrained evaluation names it in ``summary.json``'s
+        ``accuracy_before_from``: that run's ``eval/before.json`` is read.
+      all_correct_before, all_correct_after: independent agents only: the fraction of episodes
+        whose every agent is correct (the team verdict); None otherwise.
       iterations: training iterations done (``summary.json``; None while running).
       curve: iteration -> held-out accuracy (0 = before, periodic evaluations, the last
         iteration = after).
@@ -59,6 +63,8 @@ class RunRecord:
     seed: int | None = None
     before: float | None = None
     after: float | None = None
+    all_correct_before: float | None = None
+    all_correct_after: float | None = None
     iterations: int | None = None
     curve: dict[int, float] = field(default_factory=dict)
     train_reward: dict[int, float] = field(default_factory=dict)
@@ -92,8 +98,12 @@ def expand_run_dirs(paths: Iterable[str | Path]) -> list[Path]:
     return out
 
 
-def _accuracy(rec: dict) -> float:
-    return float(rec["team_mean"]) if isinstance(rec.get("team_mean"), (int, float)) else float(np.mean(rec["seeds"]))
+def _accuracy(rec: dict, independent: bool | None) -> float:
+    return float(np.mean(headline_seeds(rec, run_independent=independent)))
+
+
+def _all_correct(rec: dict, independent: bool | None) -> float | None:
+    return float(np.mean(rec["seeds"])) if every_agent_answers(rec, independent) else None
 
 
 def _config(run_dir: Path) -> dict:
@@ -122,10 +132,15 @@ def read_run(run_dir: str | Path) -> RunRecord:
     rec.iterations, rec.wall_s = summary.get("iterations"), summary.get("wall_s")
     rec.before, rec.after = summary.get("accuracy_before"), summary.get("accuracy_after")
 
+    independent = run_is_independent(run_dir)
     eval_dir = run_dir / EVAL_DIR
     before_path = eval_dir / "before.json"
-    if rec.before is None and before_path.is_file():
-        rec.before = _accuracy(read_result(before_path))
+    shared = summary.get("accuracy_before_from")
+    if not before_path.is_file() and isinstance(shared, str) and shared:
+        before_path = run_dir.parent / shared / EVAL_DIR / "before.json"
+    if before_path.is_file():
+        res = read_result(before_path)
+        rec.before, rec.all_correct_before = _accuracy(res, independent), _all_correct(res, independent)
     if rec.before is not None:
         rec.curve[0] = float(rec.before)
     trained = []                       # (iteration, result) of the trained team, oldest first
@@ -137,13 +152,12 @@ def read_run(run_dir: str | Path) -> RunRecord:
     after_path = eval_dir / "after.json"
     if after_path.is_file():
         latest = read_result(after_path)
-        if rec.after is None:
-            rec.after = _accuracy(latest)
+        rec.after, rec.all_correct_after = _accuracy(latest, independent), _all_correct(latest, independent)
         last = rec.iterations if rec.iterations is not None else train_cfg.get("iterations")
         if last is not None:
             trained.append((int(last), latest))
     for it, res in trained:
-        rec.curve[it] = _accuracy(res)
+        rec.curve[it] = _accuracy(res, independent)
     if latest is not None:
         rec.arm = Arm(latest["method"], latest["agents"], latest["roles"])
         rec.benchmark = latest["benchmark"]

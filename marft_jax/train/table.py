@@ -13,11 +13,20 @@ Input schema: every ``<run_dir>/eval/*.json`` is one result object::
       "seed_ids": [0, 1, 2],           # optional, same length as seeds: duplicates are rejected
       "per_agent": {"planner": [0.5, 0.4, 0.6], "solver": [0.62, 0.60, 0.64]},
                                        # optional: role -> per-seed values (or one number)
-      "tag": "after"                   # optional: which evaluation (the trainer writes before/after)
+      "tag": "after",                  # optional: which evaluation (the trainer writes before/after)
+      "independent": false             # optional: every agent answers alone (independent PPO)
     }
 
+``seeds`` is the team's verdict per seed: the answering agent's answer is accepted; for
+independent agents, every agent's (their mean score reaches the success threshold). The cell of
+an independent result is instead the mean of its per-agent accuracies (reference §10; per seed,
+:func:`headline_seeds`), and its all-correct ``seeds`` go to a row of their own,
+``"<method> (all agents correct)"``. A file without ``"independent"`` (written before the key
+existed) is independent when its run's ``config.yaml`` says so (:func:`run_is_independent`),
+else when its method names independent PPO or parallel team prompts.
+
 Files of several runs (e.g. one run per seed) with the same (method, agents, roles, benchmark)
-pool their ``seeds``. Other keys are allowed and ignored. A file that breaks the schema raises
+pool their cells. Other keys are allowed and ignored. A file that breaks the schema raises
 :class:`ResultsSchemaError` naming it.
 
 Output: :func:`aggregate` returns rows ``{"method", "agents", "roles", "cells": {benchmark:
@@ -89,6 +98,49 @@ def read_result(path: str | Path) -> dict:
     return rec
 
 
+ALL_CORRECT = " (all agents correct)"       # suffix of the all-correct row of independent methods
+
+
+def every_agent_answers(rec: dict, run_independent: bool | None = None) -> bool:
+    """Whether a result is of independent agents, each answering alone: its ``independent`` key,
+    else ``run_independent`` (:func:`run_is_independent` of its run folder), else its method's name."""
+    if "independent" in rec:
+        return bool(rec["independent"])
+    if run_independent is not None:
+        return run_independent and rec["agents"] > 1
+    low = rec["method"].lower()
+    return low.startswith(("independent", "ippo")) or "parallel team prompts" in low
+
+
+def run_is_independent(run_dir: str | Path) -> bool | None:
+    """From a run folder's ``config.yaml``: ``rollout.mode: parallel`` or ``team.graph:
+    independent``; None where the config (or both keys) is missing."""
+    path = Path(run_dir) / "config.yaml"
+    if not path.is_file():
+        return None
+    import yaml
+
+    cfg = yaml.safe_load(path.read_text())
+    rollout = (cfg.get("rollout") or {}) if isinstance(cfg, dict) else {}
+    team = (cfg.get("team") or {}) if isinstance(cfg, dict) else {}
+    if "mode" not in rollout and "graph" not in team:
+        return None
+    return rollout.get("mode") == "parallel" or team.get("graph") == "independent"
+
+
+def headline_seeds(rec: dict, path: str | Path = "<result>", run_independent: bool | None = None) -> list[float]:
+    """Per-seed accuracy a table reports for one result: ``seeds``, or for independent agents
+    (:func:`every_agent_answers`) the mean over agents of ``per_agent`` (each role's list as long
+    as ``seeds``)."""
+    if not (every_agent_answers(rec, run_independent) and rec.get("per_agent")):
+        return [float(s) for s in rec["seeds"]]
+    n = len(rec["seeds"])
+    per_role = [v if isinstance(v, list) else [v] for v in rec["per_agent"].values()]
+    _check(all(len(v) == n for v in per_role), Path(path),
+           f"'per_agent' of an independent result must hold {n} value(s) per role, as 'seeds' does")
+    return [float(np.mean([v[k] for v in per_role])) for k in range(n)]
+
+
 def result_files(run_dir: str | Path) -> list[Path]:
     """The result files of one run: ``<run_dir>/eval/*.json`` (not ``eval/periodic/``)."""
     return sorted((Path(run_dir) / EVAL_DIR).glob("*.json"))
@@ -110,27 +162,32 @@ def aggregate(run_dirs: Iterable[str | Path], tags: Sequence[str] | None = None)
     method_order: dict[str, int] = {}
     found = 0
     for run_dir in run_dirs:
+        independent = run_is_independent(run_dir)
         for path in result_files(run_dir):
             rec = read_result(path)
             if tags is not None and rec.get("tag") not in tags:
                 continue
             found += 1
             method_order.setdefault(rec["method"], len(method_order))
-            key = (rec["method"], rec["agents"], rec["roles"])
-            cell = pooled.setdefault(key, {}).setdefault(
-                rec["benchmark"], {"seeds": [], "seed_ids": set(), "per_agent": {}, "files": []})
-            if "seed_ids" in rec:
-                dup = cell["seed_ids"] & set(map(str, rec["seed_ids"]))
-                if dup:
-                    raise ResultsSchemaError(
-                        f"{str(path)!r}: seed ids {sorted(dup)} of {key + (rec['benchmark'],)} already "
-                        f"come from {[str(f) for f in cell['files']]}")
-                cell["seed_ids"] |= set(map(str, rec["seed_ids"]))
-            cell["seeds"].extend(float(s) for s in rec["seeds"])
-            cell["files"].append(path)
-            for role, vals in rec.get("per_agent", {}).items():
-                cell["per_agent"].setdefault(role, []).extend(
-                    float(v) for v in (vals if isinstance(vals, list) else [vals]))
+            parts = [(rec["method"], headline_seeds(rec, path, independent), rec.get("per_agent", {}))]
+            if every_agent_answers(rec, independent) and rec.get("per_agent"):
+                parts.append((rec["method"] + ALL_CORRECT, [float(s) for s in rec["seeds"]], {}))
+            for method, seeds, per_agent in parts:
+                key = (method, rec["agents"], rec["roles"])
+                cell = pooled.setdefault(key, {}).setdefault(
+                    rec["benchmark"], {"seeds": [], "seed_ids": set(), "per_agent": {}, "files": []})
+                if "seed_ids" in rec:
+                    dup = cell["seed_ids"] & set(map(str, rec["seed_ids"]))
+                    if dup:
+                        raise ResultsSchemaError(
+                            f"{str(path)!r}: seed ids {sorted(dup)} of {key + (rec['benchmark'],)} already "
+                            f"come from {[str(f) for f in cell['files']]}")
+                    cell["seed_ids"] |= set(map(str, rec["seed_ids"]))
+                cell["seeds"].extend(seeds)
+                cell["files"].append(path)
+                for role, vals in per_agent.items():
+                    cell["per_agent"].setdefault(role, []).extend(
+                        float(v) for v in (vals if isinstance(vals, list) else [vals]))
     if not found:
         which = "" if tags is None else f" with tag in {list(tags)}"
         raise FileNotFoundError(f"aggregate: no eval/*.json result file{which} under "
@@ -145,7 +202,8 @@ def aggregate(run_dirs: Iterable[str | Path], tags: Sequence[str] | None = None)
                 row_per_agent[bench] = {r: float(np.mean(v)) for r, v in c["per_agent"].items()}
         rows.append({"method": method, "agents": agents, "roles": roles,
                      "cells": row_cells, "per_agent": row_per_agent})
-    rows.sort(key=lambda r: (method_order[r["method"]], r["agents"], ROLE_KINDS.index(r["roles"])))
+    rows.sort(key=lambda r: (method_order[r["method"].removesuffix(ALL_CORRECT)], r["agents"],
+                             r["method"].endswith(ALL_CORRECT), ROLE_KINDS.index(r["roles"])))
     return rows
 
 
@@ -246,8 +304,11 @@ def caption(rows: Sequence[dict], columns: Sequence[str] | None = None, scale: f
              else "seeds per cell in brackets")
     missing = "--" if latex else MISSING
     pm = "$\\pm$" if latex else "±"
+    lq, rq = ("``", "''") if latex else ('"', '"')
+    independent = (f" Independent agents: the mean of the per-agent accuracies; {lq}all agents correct{rq}: "
+                   "every agent's answer accepted." if any(r["method"].endswith(ALL_CORRECT) for r in rows) else "")
     return (f"Accuracy ({_unit(scale, latex)}), mean {pm} {SPREADS[spread][2 if latex else 1]}; {seeds}; "
-            f"{missing}: not run.")
+            f"{missing}: not run.{independent}")
 
 
 def to_markdown(rows: Sequence[dict], columns: Sequence[str] | None = None,

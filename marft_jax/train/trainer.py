@@ -148,7 +148,8 @@ def untrained_method(cfg: Config) -> str:
 
 
 def method_fields(cfg: Config) -> dict:
-    """How the table groups a run: method, agents, roles (and the graph when not the default)."""
+    """How the table groups a run: method, agents, roles (and the graph when not the default);
+    ``independent``: every agent answers alone (the table reports the mean over agents)."""
     if cfg.team.num_agents == 1:
         method = "single agent (PPO-" + ("A" if cfg.algo.level == "action" else "T") + ")"
     elif cfg.rollout.mode == "parallel" or cfg.team.graph == "independent":
@@ -158,7 +159,9 @@ def method_fields(cfg: Config) -> dict:
         if cfg.team.graph not in (None, "chain"):
             method += f" ({cfg.team.graph})"
     return {"method": method, "agents": cfg.team.num_agents,
-            "roles": "anonymous" if "anonymous" in cfg.team.profile else "named"}
+            "roles": "anonymous" if "anonymous" in cfg.team.profile else "named",
+            "independent": cfg.team.num_agents > 1 and (cfg.rollout.mode == "parallel"
+                                                       or cfg.team.graph == "independent")}
 
 
 def _progress(total: int, initial: int):
@@ -296,7 +299,8 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
     finished = (it >= cfg.train.iterations or budget_hit) and flag.signal is None
     summary = {"run_dir": str(run_dir), "iterations": it, "accuracy_before": before,
                "checkpoint": str(ckpt.step_path(it)), "metrics": str(run_dir / "metrics.jsonl"),
-               "interrupted": flag.signal is not None, "nonfinite_skipped": skipped}
+               "interrupted": flag.signal is not None, "nonfinite_skipped": skipped,
+               "independent": method_fields(cfg)["independent"]}   # accuracies: the mean over agents
     if finished:
         res = _eval_and_save(run, state, eval_problems, cfg, run_dir, "after")
         summary["accuracy_after"] = res.mean
