@@ -75,6 +75,7 @@ def test_method_arms_match_the_trainers_eval_files():
     for m in cpu_repro.METHODS:
         f = method_fields(load_config(f"cpu_repro/{m}", []))
         assert (f["method"], f["agents"], f["roles"]) == cpu_repro.METHOD_ARMS[m], m
+        assert f["independent"] == (m in ("ippo", "trio_ippo")), m          # reported as the mean over agents
     assert set(cpu_repro.METHOD_ARMS) == set(cpu_repro.METHODS)
 
 
