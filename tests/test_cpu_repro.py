@@ -199,3 +199,8 @@ def test_independent_ppo_reports_the_mean_of_its_agents(tmp_path):
     assert table[0]["cells"]["arithmetic"]["seeds"] == pytest.approx([0.63, 0.60])
     assert table[1]["cells"]["arithmetic"]["seeds"] == pytest.approx([0.47, 0.40])
     assert "every agent's answer accepted" in render(table, "markdown")
+    untrained = [r for r in aggregate([runs / "ippo-s0", runs / "marft_a-s0"], tags=["before"])]
+    assert [(r["method"], r["cells"]["arithmetic"]["mean"]) for r in untrained] == [    # the old label, split
+        ("untrained base (parallel team prompts)", pytest.approx(0.27)),
+        ("untrained base (parallel team prompts) (all agents correct)", pytest.approx(0.12)),
+        ("untrained base (team prompts)", pytest.approx(0.14))]                    # no mode in its config

@@ -23,7 +23,8 @@ an independent result is instead the mean of its per-agent accuracies (reference
 :func:`headline_seeds`), and its all-correct ``seeds`` go to a row of their own,
 ``"<method> (all agents correct)"``. A file without ``"independent"`` (written before the key
 existed) is independent when its run's ``config.yaml`` says so (:func:`run_is_independent`),
-else when its method names independent PPO or parallel team prompts.
+else when its method names independent PPO or parallel team prompts. Such older files named
+every untrained team alike; :func:`row_method` names them by their prompts.
 
 Files of several runs (e.g. one run per seed) with the same (method, agents, roles, benchmark)
 pool their cells. Other keys are allowed and ignored. A file that breaks the schema raises
@@ -112,6 +113,20 @@ def every_agent_answers(rec: dict, run_independent: bool | None = None) -> bool:
     return low.startswith(("independent", "ippo")) or "parallel team prompts" in low
 
 
+LEGACY_UNTRAINED = "untrained base (team prompts)"     # one name for every untrained team, before 65dfbcc
+
+
+def row_method(rec: dict, run_independent: bool | None = None) -> str:
+    """A result's row name: its ``method``; the legacy untrained name is split by the prompts
+    the team starts from, as the trainer now names them (``trainer.untrained_method``), where
+    the run's config says whether its agents are independent."""
+    if rec["method"] != LEGACY_UNTRAINED or run_independent is None:
+        return rec["method"]
+    if rec["agents"] == 1:
+        return "untrained base (single-agent prompt)"
+    return f"untrained base ({'parallel' if run_independent else 'chained'} team prompts)"
+
+
 def run_is_independent(run_dir: str | Path) -> bool | None:
     """From a run folder's ``config.yaml``: ``rollout.mode: parallel`` or ``team.graph:
     independent``; None where the config (or both keys) is missing."""
@@ -168,10 +183,11 @@ def aggregate(run_dirs: Iterable[str | Path], tags: Sequence[str] | None = None)
             if tags is not None and rec.get("tag") not in tags:
                 continue
             found += 1
-            method_order.setdefault(rec["method"], len(method_order))
-            parts = [(rec["method"], headline_seeds(rec, path, independent), rec.get("per_agent", {}))]
+            method = row_method(rec, independent)
+            method_order.setdefault(method, len(method_order))
+            parts = [(method, headline_seeds(rec, path, independent), rec.get("per_agent", {}))]
             if every_agent_answers(rec, independent) and rec.get("per_agent"):
-                parts.append((rec["method"] + ALL_CORRECT, [float(s) for s in rec["seeds"]], {}))
+                parts.append((method + ALL_CORRECT, [float(s) for s in rec["seeds"]], {}))
             for method, seeds, per_agent in parts:
                 key = (method, rec["agents"], rec["roles"])
                 cell = pooled.setdefault(key, {}).setdefault(
