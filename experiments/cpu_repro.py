@@ -116,21 +116,30 @@ def run_one(method: str, seed: int, overrides: list[str], runs_dir: Path, untrai
     over = overrides + [f"train.seed={seed}", f"train.out_dir={runs_dir}", f"train.run_name={method}-s{seed}"]
     cfg = load_config(f"cpu_repro/{method}", over)
     key = untrained_key(cfg)
+    earlier_wall_s = 0.0
     if summary_path.exists():
         done = json.loads(summary_path.read_text())
         if done.get("accuracy_after") is not None and done.get("accuracy_before") is not None:
-            print(f"[cpu_repro] {method} seed {seed}: reusing {run_dir}", flush=True)
             untrained.setdefault(key, (done["accuracy_before"], run_dir.name))
-            return done
+            if done["iterations"] >= cfg.train.iterations:
+                print(f"[cpu_repro] {method} seed {seed}: reusing {run_dir}", flush=True)
+                return done
+            earlier_wall_s = extend_run(run_dir, done)
+            print(f"[cpu_repro] {method} seed {seed}: extending {run_dir} from {done['iterations']} to "
+                  f"{cfg.train.iterations} iterations", flush=True)
+        else:
+            earlier_wall_s = float(done.get("earlier_wall_s") or 0.0)
     shared = untrained.get(key)
     if shared is not None:
         cfg.train.eval_before = False
     t0 = time.perf_counter()
     summary = train(cfg)
     if summary.get("accuracy_after") is None:      # stopped by a signal: its checkpoint resumes it
+        if earlier_wall_s:
+            summary_path.write_text(json.dumps({**summary, "earlier_wall_s": earlier_wall_s}, indent=2))
         raise SystemExit(f"[cpu_repro] {method} seed {seed} stopped at iteration {summary['iterations']} "
                          f"({run_dir}); run the same command again to resume")
-    summary["wall_s"] = round(time.perf_counter() - t0, 1)
+    summary["wall_s"] = round(earlier_wall_s + time.perf_counter() - t0, 1)
     if shared is not None:
         summary["accuracy_before"], summary["accuracy_before_from"] = shared
     else:
@@ -140,6 +149,26 @@ def run_one(method: str, seed: int, overrides: list[str], runs_dir: Path, untrai
           f"{summary.get('accuracy_after', float('nan')):.3f} in {summary['wall_s']:.0f}s "
           f"({summary['iterations']} iterations)", flush=True)
     return summary
+
+
+def extend_run(run_dir: Path, done: dict) -> float:
+    """Prepare a finished run for more iterations (a longer ``train.iterations``; the trainer
+    resumes from its last checkpoint): its trained evaluation becomes a point of the held-out
+    curve (``eval/after.json`` -> ``eval/periodic/iter<N>.json``) and its summary says it is
+    not finished. Returns the wall time the run has taken so far (seconds; 0 if unknown)."""
+    from marft_jax.train.table import EVAL_DIR
+
+    after = run_dir / EVAL_DIR / "after.json"
+    point = run_dir / EVAL_DIR / "periodic" / f"iter{done['iterations']:06d}.json"
+    if after.is_file():
+        point.parent.mkdir(parents=True, exist_ok=True)
+        doc = json.loads(after.read_text())
+        point.write_text(json.dumps({**doc, "tag": point.stem}, indent=2))
+        after.unlink()
+    earlier = float(done.get("wall_s") or 0.0)
+    summary = {k: v for k, v in done.items() if k not in ("accuracy_after", "wall_s")}
+    (run_dir / "summary.json").write_text(json.dumps({**summary, "earlier_wall_s": earlier}, indent=2))
+    return earlier
 
 
 def _pm(mean: float, se: float, signed: bool = False) -> str:

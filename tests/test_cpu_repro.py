@@ -56,6 +56,28 @@ def test_cpu_repro_writes_table_and_reuses_finished_runs(tmp_path, tiny_model_di
     assert [r["accuracy_after"] for r in again] == [r["accuracy_after"] for r in rows]
 
 
+def test_a_longer_sweep_extends_finished_runs(tmp_path, tiny_model_dir):
+    """A sweep run again with more iterations resumes each finished run from its last
+    checkpoint; its old trained evaluation becomes a point of the held-out curve; the result is
+    the run that a fresh sweep with the longer budget trains."""
+    cpu_repro = _load()
+    runs = tmp_path / "runs"
+    argv = lambda n, runs_dir: ["--seeds", "0", "--methods", "marft_a", "--runs-dir", str(runs_dir),
+                                "--out", str(tmp_path / "out"), "--no-compile-cache",
+                                *tiny_overrides(tiny_model_dir, tmp_path, "ignored", **{"train.iterations": n,
+                                                                                        "train.eval_every": 2})]
+    short = cpu_repro.main(argv(2, runs))
+    longer = cpu_repro.main(argv(4, runs))
+    fresh = cpu_repro.main(argv(4, tmp_path / "fresh"))
+    run = runs / "marft_a-s0"
+    assert (run / "eval" / "periodic" / "iter000002.json").is_file() and (run / "eval" / "after.json").is_file()
+    assert longer[0]["iterations"] == 4 and sorted(longer[0]["heldout"]) == [0, 2, 4]
+    assert longer[0]["heldout"][2] == short[0]["accuracy_after"]
+    assert longer[0]["wall_s"] > short[0]["wall_s"]                        # the time of both parts
+    for key in ("accuracy_before", "accuracy_after", "train_reward", "heldout"):
+        assert longer[0][key] == fresh[0][key], key
+
+
 def test_untrained_evaluation_is_shared_where_identical():
     cpu_repro = _load()
     from marft_jax.config import load_config
