@@ -284,7 +284,7 @@ def _kept_reading(path: Path) -> str:
 
 def _results_md(rows: list[dict], stats: dict, table_md: str, command: str, wall: str,
                 reading: str, figures: list[str]) -> str:
-    from marft_jax.train.repro_stats import LEVEL, RESAMPLES, SEED
+    from marft_jax.train.repro_stats import LEVEL, MIN_SEEDS, RESAMPLES, SEED
     from marft_jax.train.table import team_name
 
     team = lambda m: team_name(METHOD_ARMS[m][1])
@@ -302,7 +302,7 @@ def _results_md(rows: list[dict], stats: dict, table_md: str, command: str, wall
         "- Statistics: accuracies and changes in percentage points; mean ± standard error over seeds",
         f"  (sample std / √n); intervals: {LEVEL:.0%} percentile bootstrap ({RESAMPLES:,} resamples, seed "
         f"{SEED}), the seeds of each method resampled independently; \"not separated\": the interval holds 0;",
-        "  \"too few seeds\": a method has fewer than 2.",
+        f"  \"too few seeds\": a method has fewer than {MIN_SEEDS}.",
         "",
         "## Table (paper layout)",
         "",

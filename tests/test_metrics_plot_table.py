@@ -373,6 +373,8 @@ def test_stats_mean_se_and_bootstrap():
     # one seed: no interval, never a verdict of separation
     one = S.contrast([[0.9], low], [1, -1])
     assert one["low"] is None and S.verdict(one, "a", "b") == S.TOO_FEW
+    two = S.contrast([[0.9, 0.8], low], [1, -1])          # two seeds: the bootstrap spans only their combinations
+    assert two["low"] is None and S.verdict(two, "a", "b") == S.TOO_FEW
     assert S.spread_difference([0.5], low)["low"] is None
 
 

@@ -11,8 +11,10 @@ Conventions:
 - seed-to-seed spread = sample standard deviation (ddof=1) of the per-seed change;
 - intervals are percentile bootstrap intervals (default 95 %, 10,000 resamples, seeded): every
   group's seeds are resampled with replacement independently of the other groups, and a group
-  needs at least 2 seeds (with one, the resampled mean is a constant and the interval would be
-  falsely narrow: such comparisons get no interval and the verdict ``too few seeds``);
+  needs at least 3 seeds: with one, the resampled mean is a constant; with two, it takes three
+  values, so the "95 %" interval is just the range of the seeds' combinations (a t interval of
+  two seeds is ±12.7 SE wide). Both would be falsely narrow: such comparisons get no interval
+  and the verdict ``too few seeds``;
 - a verdict is ``not separated`` when the interval holds 0.
 """
 
@@ -26,7 +28,7 @@ import numpy as np
 RESAMPLES = 10_000
 LEVEL = 0.95
 SEED = 0
-MIN_SEEDS = 2
+MIN_SEEDS = 3
 NOT_SEPARATED = "not separated"
 TOO_FEW = "too few seeds"
 PP = 100.0                     # fraction -> percentage points
