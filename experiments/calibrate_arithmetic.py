@@ -41,9 +41,10 @@ def main() -> None:
         problems = list(itertools.islice(run.task.problems("test", 0), args.problems))
         t0 = time.perf_counter()
         res = evaluate(run.learner, state, problems, temperature=0.0, seeds=[0], batch_size=args.batch)
+        summary = res.summary()
         row = {"level": level, "problems": len(problems), "accuracy": res.mean,
-               "team_accuracy": res.summary()["team_mean"], "independent": res.independent,
-               "per_agent": res.summary()["per_agent_mean"], "seconds": round(time.perf_counter() - t0, 1),
+               "team_accuracy": summary["team_mean"], "independent": res.independent,
+               "per_agent": summary["per_agent_mean"], "seconds": round(time.perf_counter() - t0, 1),
                "model": cfg.model.name, "profile": cfg.team.profile,
                "max_new_tokens": cfg.rollout.max_new_tokens, "machine": platform.processor() or platform.machine()}
         print(json.dumps(row), flush=True)

@@ -22,7 +22,8 @@ from typing import Iterable, NamedTuple
 import numpy as np
 
 from marft_jax.train.metric_sinks import METRICS_FILE, read_metrics
-from marft_jax.train.table import EVAL_DIR, every_agent_answers, headline_seeds, read_result, run_is_independent
+from marft_jax.train.table import (EVAL_DIR, every_agent_answers, headline_seeds, read_result, run_config,
+                                   run_is_independent)
 
 PERIODIC = re.compile(r"iter(\d+)\.json$")
 _MARKERS = ("summary.json", "config.yaml", METRICS_FILE, EVAL_DIR)
@@ -106,16 +107,6 @@ def _all_correct(rec: dict, independent: bool | None) -> float | None:
     return float(np.mean(rec["seeds"])) if every_agent_answers(rec, independent) else None
 
 
-def _config(run_dir: Path) -> dict:
-    path = run_dir / "config.yaml"
-    if not path.is_file():
-        return {}
-    import yaml
-
-    cfg = yaml.safe_load(path.read_text())
-    return cfg if isinstance(cfg, dict) else {}
-
-
 def train_reward(run_dir: str | Path) -> dict[int, float]:
     """Iteration -> ``episode/score_mean`` from the run's metrics.jsonl (empty if none)."""
     return {int(r["step"]): float(r["episode/score_mean"]) for r in read_metrics(run_dir)
@@ -125,14 +116,15 @@ def train_reward(run_dir: str | Path) -> dict[int, float]:
 def read_run(run_dir: str | Path) -> RunRecord:
     """Read one run folder (see the module docstring); schema errors of eval files name the file."""
     run_dir = Path(run_dir)
-    train_cfg = _config(run_dir).get("train") or {}
+    cfg = run_config(run_dir)
+    train_cfg = cfg.get("train") or {}
     rec = RunRecord(run_dir, seed=train_cfg.get("seed"), train_reward=train_reward(run_dir))
     summary_path = run_dir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.is_file() else {}
     rec.iterations, rec.wall_s = summary.get("iterations"), summary.get("wall_s")
     rec.before, rec.after = summary.get("accuracy_before"), summary.get("accuracy_after")
 
-    independent = run_is_independent(run_dir)
+    independent = run_is_independent(cfg)
     eval_dir = run_dir / EVAL_DIR
     before_path = eval_dir / "before.json"
     shared = summary.get("accuracy_before_from")

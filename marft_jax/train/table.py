@@ -127,17 +127,21 @@ def row_method(rec: dict, run_independent: bool | None = None) -> str:
     return f"untrained base ({'parallel' if run_independent else 'chained'} team prompts)"
 
 
-def run_is_independent(run_dir: str | Path) -> bool | None:
-    """From a run folder's ``config.yaml``: ``rollout.mode: parallel`` or ``team.graph:
-    independent``; None where the config (or both keys) is missing."""
+def run_config(run_dir: str | Path) -> dict:
+    """A run folder's ``config.yaml`` as a dict (empty if absent or not a mapping)."""
     path = Path(run_dir) / "config.yaml"
     if not path.is_file():
-        return None
+        return {}
     import yaml
 
     cfg = yaml.safe_load(path.read_text())
-    rollout = (cfg.get("rollout") or {}) if isinstance(cfg, dict) else {}
-    team = (cfg.get("team") or {}) if isinstance(cfg, dict) else {}
+    return cfg if isinstance(cfg, dict) else {}
+
+
+def run_is_independent(cfg: dict) -> bool | None:
+    """From a run's config (:func:`run_config`): ``rollout.mode: parallel`` or ``team.graph:
+    independent``; None where both keys are missing."""
+    rollout, team = cfg.get("rollout") or {}, cfg.get("team") or {}
     if "mode" not in rollout and "graph" not in team:
         return None
     return rollout.get("mode") == "parallel" or team.get("graph") == "independent"
@@ -177,7 +181,7 @@ def aggregate(run_dirs: Iterable[str | Path], tags: Sequence[str] | None = None)
     method_order: dict[str, int] = {}
     found = 0
     for run_dir in run_dirs:
-        independent = run_is_independent(run_dir)
+        independent = run_is_independent(run_config(run_dir))
         for path in result_files(run_dir):
             rec = read_result(path)
             if tags is not None and rec.get("tag") not in tags:
