@@ -30,6 +30,14 @@ number, held-out curves, training rewards), ``table.tex``, ``heldout_accuracy.pn
 
 ``--aggregate-only`` reads the finished runs in ``--runs-dir`` (of a running, stopped or
 finished sweep) and writes the results.
+
+Run folders are not committed (checkpoints), so a sweep spread over machines carries its finished
+runs in the committed ``results.json``: ``--prior-results`` adds that file's runs to those of
+``--runs-dir`` (a run in both: the run folder's), so seeds trained elsewhere and seeds trained here
+pool into one table. Each row says where it came from (``source``)::
+
+    python experiments/cpu_repro.py --seeds 2 3 4 --prior-results experiments/results/cpu_repro/results.json
+    python experiments/cpu_repro.py --aggregate-only --prior-results experiments/results/cpu_repro/results.json
 """
 
 from __future__ import annotations
@@ -221,15 +229,68 @@ def collect_rows(runs_dir: Path, methods=None, seeds=None) -> list[dict]:
     return [run_row(m, seed, rec) for seed, _, m, rec in sorted(found, key=lambda t: t[:2])]
 
 
-def run_row(method: str, seed: int, rec) -> dict:
+def run_row(method: str, seed: int, rec, source: str = "run folder") -> dict:
     """One finished run (a ``run_records.RunRecord``) as a row of the results. Accuracies are
     what the run reports (independent PPO: the mean over agents); ``all_correct_*``: the
-    fraction of episodes whose every agent is correct (independent PPO only, else None)."""
+    fraction of episodes whose every agent is correct (independent PPO only, else None);
+    ``source``: where the row was read (a run folder, or an earlier results.json)."""
     return {"method": method, "seed": seed, "accuracy_before": rec.before, "accuracy_after": rec.after,
             "delta": rec.after - rec.before, "all_correct_before": rec.all_correct_before,
             "all_correct_after": rec.all_correct_after, "iterations": rec.iterations, "wall_s": rec.wall_s,
             "train_reward": [v for _, v in sorted(rec.train_reward.items())],
-            "heldout": rec.curve, "benchmark": rec.benchmark}
+            "heldout": rec.curve, "benchmark": rec.benchmark, "source": source}
+
+
+# The fields a row of an earlier results.json must have (the rest default to None/empty).
+PRIOR_FIELDS = ("method", "seed", "accuracy_before", "accuracy_after", "iterations", "train_reward")
+
+
+def prior_rows(path: Path, methods=None, seeds=None) -> list[dict]:
+    """The runs of an earlier ``results.json`` (``--prior-results``) as rows, ``methods`` x
+    ``seeds`` only (None: all). A row carried over before keeps its ``source``; one that the
+    aggregation that wrote the file read from a run folder gets ``results.json of <commit> (<date>)``. Raises ValueError
+    naming the file, the run and the field where the file is not a results.json of this script."""
+    flag = f"--prior-results {str(path)!r}"
+    if not path.is_file():
+        raise FileNotFoundError(f"{flag} does not exist")
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{flag}: not JSON ({e})") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
+        raise ValueError(f"{flag}: no 'runs' list (is it the results.json that cpu_repro.py writes?)")
+    origin = f"results.json of {doc.get('commit', 'unknown commit')} ({doc.get('date', 'undated')})"
+    rows = []
+    for i, run in enumerate(doc["runs"]):
+        where = f"{flag}, runs[{i}]"
+        missing = [k for k in PRIOR_FIELDS if not isinstance(run, dict) or run.get(k) is None]
+        if missing:
+            raise ValueError(f"{where}: missing field(s) {missing}")
+        if run["method"] not in METHODS:
+            raise ValueError(f"{where}: field 'method' is {run['method']!r}, not one of {list(METHODS)}")
+        try:
+            heldout = {int(k): float(v) for k, v in (run.get("heldout") or {}).items()}
+            row = {**run, "seed": int(run["seed"]), "accuracy_before": float(run["accuracy_before"]),
+                   "accuracy_after": float(run["accuracy_after"]), "iterations": int(run["iterations"]),
+                   "train_reward": [float(v) for v in run["train_reward"]], "heldout": heldout}
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: a field is not a number ({e})") from None
+        row["delta"] = row["accuracy_after"] - row["accuracy_before"]
+        if row.get("source") in (None, "run folder"):      # read from a folder by the aggregation that wrote it
+            row["source"] = origin
+        for k in ("all_correct_before", "all_correct_after", "wall_s", "benchmark"):
+            row.setdefault(k, None)
+        if (methods is None or row["method"] in methods) and (seeds is None or row["seed"] in seeds):
+            rows.append(row)
+    return rows
+
+
+def merge_rows(fresh: list[dict], prior: list[dict]) -> list[dict]:
+    """``fresh`` rows (run folders) and the ``prior`` rows of runs not among them, seed-major in
+    the sweep's order (a method/seed in both: the fresh row)."""
+    have = {(r["method"], r["seed"]) for r in fresh}
+    rows = fresh + [r for r in prior if (r["method"], r["seed"]) not in have]
+    return sorted(rows, key=lambda r: (r["seed"], list(METHODS).index(r["method"])))
 
 
 def _by_method(rows: list[dict]) -> dict[str, list[dict]]:
@@ -295,7 +356,7 @@ def _results_md(rows: list[dict], stats: dict, table_md: str, command: str, wall
         f"- Command: `{command}`",
         f"- Commit: {_commit()}; date {time.strftime('%Y-%m-%d')}",
         f"- Machine: {_machine()}",
-        f"- {wall}; {len(rows)} runs.",
+        f"- {wall}; {len(rows)} runs{_sources(rows)}.",
         "- Model: SmolLM2-135M-Instruct (embedded GGUF), LoRA r8; task: generated arithmetic, level 1;",
         "  presets `experiments/configs/cpu_repro/*.yaml` (the same episodes per run); greedy held-out",
         "  team accuracy on the same problems before and after training.",
@@ -363,18 +424,30 @@ def _results_md(rows: list[dict], stats: dict, table_md: str, command: str, wall
         lines.append(f"| change of {_short(c['a'])} − change of {_short(c['b'])} | {c['estimate_pp']:+.1f} | "
                      f"{_interval(c)} | {c['verdict']} |")
     lines += ["", "## Per seed", "",
-              "| method | seed | before | after | change | every agent correct: before → after | iterations | wall (s) |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+              "| method | seed | before | after | change | every agent correct: before → after | iterations | wall (s) "
+              "| source |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in rows:
         both = r.get("all_correct_before") is not None and r.get("all_correct_after") is not None
         all_correct = (f"{100 * r['all_correct_before']:.1f} → {100 * r['all_correct_after']:.1f}" if both else "–")
         lines.append(f"| {r['method']} | {r['seed']} | {100 * r['accuracy_before']:.1f} | "
                      f"{100 * r['accuracy_after']:.1f} | {100 * r['delta']:+.1f} | {all_correct} | {r['iterations']} | "
-                     f"{r['wall_s'] if r['wall_s'] is not None else '–'} |")
+                     f"{r['wall_s'] if r['wall_s'] is not None else '–'} | {r.get('source') or 'run folder'} |")
     if figures:
         lines += ["", "## Figures", ""] + [f"![{f}]({f})" for f in figures]
     lines += ["", "## Reading", "", reading, ""]
     return "\n".join(lines)
+
+
+def _sources(rows: list[dict]) -> str:
+    """``(12 from run folders, 14 carried over from results.json of …)``; empty if all from run folders."""
+    counts: dict[str, int] = {"run folder": 0}
+    for r in rows:
+        counts[r.get("source") or "run folder"] = counts.get(r.get("source") or "run folder", 0) + 1
+    if set(counts) == {"run folder"}:
+        return ""
+    return " (" + ", ".join(f"{n} from run folders" if src == "run folder" else f"{n} carried over from {src}"
+                            for src, n in counts.items() if n) + ")"
 
 
 def _figures(rows: list[dict], out: Path) -> list[str]:
@@ -476,6 +549,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="do not turn on JAX's persistent compilation cache (on by default)")
     ap.add_argument("--aggregate-only", action="store_true",
                     help="train nothing: write the results of the finished runs in --runs-dir")
+    ap.add_argument("--prior-results", default=None,
+                    help="a results.json of an earlier sweep: its runs join those of --runs-dir in the results")
     ap.add_argument("overrides", nargs="*", help="key=value config overrides for every run")
     a = ap.parse_args(argv)
     bad = [o for o in a.overrides if "=" not in o]
@@ -483,8 +558,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ap.error(f"overrides must be key=value, got {bad}")
 
     command = "python experiments/cpu_repro.py " + shlex.join(sys.argv[1:] if argv is None else argv)
+    prior = [] if a.prior_results is None else prior_rows(Path(a.prior_results), a.methods, a.seeds)
     if a.aggregate_only:
-        return aggregate_only(Path(a.runs_dir).resolve(), Path(a.out), a.methods, a.seeds, command.strip())
+        return aggregate_only(Path(a.runs_dir).resolve(), Path(a.out), a.methods, a.seeds, command.strip(), prior)
 
     import jax
 
@@ -509,17 +585,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if bar is not None:
             bar.update(1)
         rows.append(run_row(m, seed, read_run(Path(s["run_dir"]))))
-        write_results(rows, Path(a.out), command.strip(), time.perf_counter() - t0, runs_dir=runs_dir)
+        write_results(merge_rows(rows, prior), Path(a.out), command.strip(), time.perf_counter() - t0,
+                      runs_dir=runs_dir)
     if bar is not None:
         bar.close()
     print(f"[cpu_repro] results in {a.out}/results.md", flush=True)
-    return rows
+    return merge_rows(rows, prior)
 
 
-def aggregate_only(runs_dir: Path, out: Path, methods, seeds, command: str) -> list[dict]:
+def aggregate_only(runs_dir: Path, out: Path, methods, seeds, command: str,
+                   prior: list[dict] | None = None) -> list[dict]:
     """``--aggregate-only``: the results of the finished runs of ``methods`` x ``seeds`` in
-    ``runs_dir``, without training (``command``: this command line, recorded as such)."""
-    rows = collect_rows(runs_dir, methods, seeds)
+    ``runs_dir`` and the ``prior`` rows (of ``--prior-results``; a missing ``runs_dir`` is then
+    allowed), without training (``command``: this command line, recorded as such)."""
+    fresh = collect_rows(runs_dir, methods, seeds) if runs_dir.is_dir() or not prior else []
+    rows = merge_rows(fresh, prior or [])
     if not rows:
         raise SystemExit(f"[cpu_repro] no finished run in {runs_dir} (a finished run is a folder "
                          f"<method>-s<seed> whose summary.json has accuracy_before and accuracy_after)")

@@ -184,6 +184,76 @@ def test_aggregate_only_errors(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_prior_results_carry_runs_trained_elsewhere(tmp_path):
+    """--prior-results: the runs of a committed results.json (their run folders gone) pool with the
+    run folders of new seeds into one set of results, as if all were in one folder; a run in both
+    is read from its folder; each row says where it came from; carrying a file over itself keeps it."""
+    cpu_repro = _load()
+    first, later = tmp_path / "first", tmp_path / "later"
+    _sweep(first, seeds=[0, 1])
+    _sweep(later, seeds=[2, 3])
+    cpu_repro.main(["--aggregate-only", "--runs-dir", str(first), "--out", str(tmp_path / "o1")])
+    prior = tmp_path / "o1" / "results.json"
+
+    rows = cpu_repro.main(["--aggregate-only", "--runs-dir", str(later), "--out", str(tmp_path / "o2"),
+                           "--seeds", "0", "1", "2", "3", "--prior-results", str(prior)])
+    ref = cpu_repro.collect_rows(first, seeds=[0, 1]) + cpu_repro.collect_rows(later, seeds=[2, 3])
+    key = lambda r: (r["seed"], list(cpu_repro.METHODS).index(r["method"]))
+    assert [(r["method"], r["seed"]) for r in rows] == [(r["method"], r["seed"]) for r in sorted(ref, key=key)]
+    assert len(rows) == 28
+    for r, e in zip(rows, sorted(ref, key=key)):
+        for k in ("accuracy_before", "accuracy_after", "delta", "iterations", "train_reward", "heldout", "benchmark"):
+            assert r[k] == pytest.approx(e[k]), (r["method"], r["seed"], k)
+    assert {r["source"] for r in rows if r["seed"] >= 2} == {"run folder"}
+    assert {r["source"] for r in rows if r["seed"] < 2} == {f"results.json of {cpu_repro._commit()} ({json.loads(prior.read_text())['date']})"}
+    md = (tmp_path / "o2" / "results.md").read_text()
+    assert "28 runs (14 from run folders, 14 carried over from results.json of" in md
+    line = next(l for l in md.splitlines() if l.startswith("| MARFT-A (Duo, chained, action level) | Duo | 4 |"))
+    assert line.endswith("| above IPPO |")                                       # four seeds: an interval
+    assert "| marft_a | 2 | 14.0 | 35.0 | +21.0 | – | 30 | 100.0 | run folder |" in md
+
+    # the written file carries over itself, sources kept; a run in both is read from its folder
+    out2 = tmp_path / "o2" / "results.json"
+    (later / "marft_a-s2").rename(tmp_path / "gone")
+    make_run(later, "marft_a-s1", method="MARFT-A", agents=2, seed=1, before=0.14, after=0.99)
+    again = cpu_repro.main(["--aggregate-only", "--runs-dir", str(later), "--out", str(tmp_path / "o2"),
+                            "--seeds", "0", "1", "2", "3", "--prior-results", str(out2)])
+    by = {(r["method"], r["seed"]): r for r in again}
+    assert len(again) == 28 and by["marft_a", 1]["accuracy_after"] == 0.99 and by["marft_a", 1]["source"] == "run folder"
+    assert by["marft_a", 2]["source"] == by["marft_a", 0]["source"] != "run folder"   # carried twice, still named
+    assert by["marft_a", 2]["accuracy_after"] == pytest.approx(0.35)
+    # no run folder at all: the carried runs alone
+    alone = cpu_repro.main(["--aggregate-only", "--runs-dir", str(tmp_path / "none"), "--out", str(tmp_path / "o3"),
+                            "--prior-results", str(out2), "--methods", "single"])
+    assert [r["seed"] for r in alone] == [0, 1, 2, 3]
+
+
+def test_prior_results_errors_name_the_file_and_field(tmp_path):
+    cpu_repro = _load()
+    args = lambda f: ["--aggregate-only", "--runs-dir", str(tmp_path), "--out", str(tmp_path / "o"), "--prior-results", str(f)]
+    with pytest.raises(FileNotFoundError, match="--prior-results .*missing.json.* does not exist"):
+        cpu_repro.main(args(tmp_path / "missing.json"))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="--prior-results .*bad.json.*not JSON"):
+        cpu_repro.main(args(bad))
+    bad.write_text(json.dumps({"table": []}))
+    with pytest.raises(ValueError, match="bad.json.*no 'runs' list"):
+        cpu_repro.main(args(bad))
+    run = {"method": "marft_a", "seed": 0, "accuracy_before": 0.1, "accuracy_after": 0.2, "iterations": 30,
+           "train_reward": [0.1]}
+    bad.write_text(json.dumps({"runs": [run, {**run, "accuracy_after": None}]}))
+    with pytest.raises(ValueError, match=r"bad.json.*runs\[1\]: missing field\(s\) \['accuracy_after'\]"):
+        cpu_repro.main(args(bad))
+    bad.write_text(json.dumps({"runs": [{**run, "method": "ppo"}]}))
+    with pytest.raises(ValueError, match=r"runs\[0\]: field 'method' is 'ppo'"):
+        cpu_repro.main(args(bad))
+    bad.write_text(json.dumps({"runs": [{**run, "seed": "zero"}]}))
+    with pytest.raises(ValueError, match=r"runs\[0\]: a field is not a number"):
+        cpu_repro.main(args(bad))
+    assert not (tmp_path / "o").exists()
+
+
 def test_independent_ppo_reports_the_mean_of_its_agents(tmp_path):
     """Reference §10: independent PPO's accuracy is the mean of its agents' accuracies; the
     all-correct verdict goes beside it. The eval files predate the ``independent`` key and the
