@@ -20,8 +20,11 @@ fixed pseudo-random weights, float64 on the host), so a change at any one positi
 are compared with a tight relative tolerance rather than ``==`` because they must also hold on
 another CPU, where XLA (and the native backup kernel, built with the host's flags) may choose
 other vector widths or FMA contractions: 1e-6 for the backups (a few float32 operations per
-value), 1e-5 for the update and the run (model forwards and Adam steps). A refactor that
-changes results moves them by far more. After an intended change of results, rerun with
+value), 1e-5 for the update and the run (model forwards and Adam steps). The run pins its
+metrics and critic, not its LoRA factors (see the test: Adam turns rounding-level gradient
+elements into lr-sized steps). Its samples follow the floats: they held between the CPU the pins were
+recorded on and an AVX-only one, not under ``XLA_FLAGS=--xla_cpu_max_isa=SSE4_2``. A refactor that changes results
+moves them by far more. After an intended change of results, rerun with
 ``MARFT_PRINT_PINS=1`` (``-s``) and paste the printed values.
 """
 
@@ -334,10 +337,6 @@ def _train(model_dir, out_dir, name: str, overrides: dict, *, legacy: bool):
 
 RUN_PINS = {
     "chain": {
-        'lora/a/q_proj': (-0.12877906154790253, 1.4416067831359871),
-        'lora/a/v_proj': (2.358431460619613, 0.06884359047089639),
-        'lora/b/q_proj': (-0.03943222386260459, -0.059822941148995834),
-        'lora/b/v_proj': (-0.0026713753413787344, 0.017659435742463477),
         'critic/0': (-21.5661148480674, -1.895274025318118),
         'critic/1': (-0.26955323257790553, -1.4244973922153092),
         'critic/2': (0.4354634617920965, 0.032018046432688727),
@@ -380,7 +379,6 @@ RUN_PINS = {
         'actor/planner/approx_kl@1': 1.515824548129971e-13,
         'actor/planner/clip_frac@1': 0.0,
         'actor/planner/entropy@1': 9.47207260131836,
-        'actor/planner/grad_norm@1': 0.5959246754646301,
         'actor/planner/happo_factor@1': 1.0,
         'actor/planner/kl_skipped@1': 0.0,
         'actor/planner/pg_loss@1': 0.32759642601013184,
@@ -388,7 +386,6 @@ RUN_PINS = {
         'actor/solver/approx_kl@1': 1.515824548129971e-13,
         'actor/solver/clip_frac@1': 0.0,
         'actor/solver/entropy@1': 9.514336585998535,
-        'actor/solver/grad_norm@1': 0.6777617931365967,
         'actor/solver/happo_factor@1': 0.9788538813591003,
         'actor/solver/kl_skipped@1': 0.0,
         'actor/solver/pg_loss@1': 0.34992098808288574,
@@ -415,10 +412,6 @@ RUN_PINS = {
         'rollout/sampler_calls@1': 2.0,
     },
     "independent": {
-        'lora/a/q_proj': (-0.16513069564825855, 1.4231155018202788),
-        'lora/a/v_proj': (2.356094596456387, 0.11764775893384205),
-        'lora/b/q_proj': (0.03200563458449324, -0.037670938686205524),
-        'lora/b/v_proj': (-0.03608936790624284, 0.01816799623904429),
         'critic/0': (-21.559838811649115, -1.8992490090428316),
         'critic/1': (-0.5593668392015232, -1.436990643684859),
         'critic/2': (0.43490341024880763, 0.032068090154691295),
@@ -461,7 +454,6 @@ RUN_PINS = {
         'actor/planner/approx_kl@1': 3.031649096259942e-13,
         'actor/planner/clip_frac@1': 0.0,
         'actor/planner/entropy@1': 9.492751121520996,
-        'actor/planner/grad_norm@1': 0.4551928639411926,
         'actor/planner/happo_factor@1': 1.0,
         'actor/planner/kl_skipped@1': 0.0,
         'actor/planner/pg_loss@1': 0.3633767068386078,
@@ -469,7 +461,6 @@ RUN_PINS = {
         'actor/solver/approx_kl@1': 3.78956116703702e-13,
         'actor/solver/clip_frac@1': 0.0,
         'actor/solver/entropy@1': 9.483444213867188,
-        'actor/solver/grad_norm@1': 0.6718021035194397,
         'actor/solver/happo_factor@1': 0.9857242107391357,
         'actor/solver/kl_skipped@1': 0.0,
         'actor/solver/pg_loss@1': 0.3417069911956787,
@@ -519,9 +510,14 @@ def test_seeded_tiny_run_of_the_graph_is_the_legacy_run_pinned(tiny_model_dir, t
     # the run is not degenerate: both iterations trained every agent on non-zero advantages
     assert [m["actor/trained_agents"] for m in got] == [2, 2]
     assert all(m["rewards/placed_sum_mean"] != 0.0 for m in got)
-    pins = {f"lora/{ab}/{t}": checksum(getattr(got_state.lora, ab)[t])
-            for ab in ("a", "b") for t in sorted(got_state.lora.a)}
-    pins |= {f"critic/{i}": checksum(x) for i, x in enumerate(jax.tree.leaves(got_state.critic))}
+    # Not pinned across machines (compared exactly above, graph vs legacy): the LoRA factors after
+    # two Adam steps and the actors' gradient norms of the second iteration. Adam's first steps
+    # are about lr * sign(g) per element, so a gradient element at rounding level (its sign set by
+    # the CPU's vector width) becomes an lr-sized step in a direction the loss barely sees: on an
+    # AVX-only CPU these moved by up to 25 % while every loss, entropy, ratio and critic value of
+    # both iterations stayed within 1e-5. The second iteration's metrics pin what the first
+    # update did to the policies.
+    pins = {f"critic/{i}": checksum(x) for i, x in enumerate(jax.tree.leaves(got_state.critic))}
     pins |= {f"{k}@{it}": float(v) for it, m in enumerate(got) for k, v in sorted(m.items())
-             if isinstance(v, (int, float))}
+             if isinstance(v, (int, float)) and not (it > 0 and k.startswith("actor/") and k.endswith("/grad_norm"))}
     assert_pinned(f"RUN_PINS[{graph!r}]", pins, RUN_PINS[graph], rtol=1e-5)
