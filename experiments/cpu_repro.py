@@ -52,6 +52,7 @@ import shlex
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -229,16 +230,21 @@ def collect_rows(runs_dir: Path, methods=None, seeds=None) -> list[dict]:
     return [run_row(m, seed, rec) for seed, _, m, rec in sorted(found, key=lambda t: t[:2])]
 
 
-def run_row(method: str, seed: int, rec, source: str = "run folder") -> dict:
+def _plan_order(row: dict) -> tuple[int, int]:
+    """The sweep's order of a row: seed-major, then :data:`METHODS`' order."""
+    return row["seed"], list(METHODS).index(row["method"])
+
+
+def run_row(method: str, seed: int, rec) -> dict:
     """One finished run (a ``run_records.RunRecord``) as a row of the results. Accuracies are
     what the run reports (independent PPO: the mean over agents); ``all_correct_*``: the
     fraction of episodes whose every agent is correct (independent PPO only, else None);
-    ``source``: where the row was read (a run folder, or an earlier results.json)."""
+    ``source``: "run folder" (:func:`prior_rows` names an earlier results.json instead)."""
     return {"method": method, "seed": seed, "accuracy_before": rec.before, "accuracy_after": rec.after,
             "delta": rec.after - rec.before, "all_correct_before": rec.all_correct_before,
             "all_correct_after": rec.all_correct_after, "iterations": rec.iterations, "wall_s": rec.wall_s,
             "train_reward": [v for _, v in sorted(rec.train_reward.items())],
-            "heldout": rec.curve, "benchmark": rec.benchmark, "source": source}
+            "heldout": rec.curve, "benchmark": rec.benchmark, "source": "run folder"}
 
 
 # The fields a row of an earlier results.json must have (the rest default to None/empty).
@@ -290,7 +296,7 @@ def merge_rows(fresh: list[dict], prior: list[dict]) -> list[dict]:
     the sweep's order (a method/seed in both: the fresh row)."""
     have = {(r["method"], r["seed"]) for r in fresh}
     rows = fresh + [r for r in prior if (r["method"], r["seed"]) not in have]
-    return sorted(rows, key=lambda r: (r["seed"], list(METHODS).index(r["method"])))
+    return sorted(rows, key=_plan_order)
 
 
 def _by_method(rows: list[dict]) -> dict[str, list[dict]]:
@@ -441,13 +447,13 @@ def _results_md(rows: list[dict], stats: dict, table_md: str, command: str, wall
 
 def _sources(rows: list[dict]) -> str:
     """``(12 from run folders, 14 carried over from results.json of …)``; empty if all from run folders."""
-    counts: dict[str, int] = {"run folder": 0}
-    for r in rows:
-        counts[r.get("source") or "run folder"] = counts.get(r.get("source") or "run folder", 0) + 1
-    if set(counts) == {"run folder"}:
+    counts = Counter(r.get("source") or "run folder" for r in rows)
+    folders = counts.pop("run folder", 0)
+    if not counts:
         return ""
-    return " (" + ", ".join(f"{n} from run folders" if src == "run folder" else f"{n} carried over from {src}"
-                            for src, n in counts.items() if n) + ")"
+    parts = ([f"{folders} from run folders"] if folders else []) + [f"{n} carried over from {src}"
+                                                                    for src, n in counts.items()]
+    return " (" + ", ".join(parts) + ")"
 
 
 def _figures(rows: list[dict], out: Path) -> list[str]:
