@@ -17,8 +17,11 @@ Adam steps or many epochs on one small batch make agent 0 drift away, seen at lr
 MARFT (sequential chain, centralized critic, HAPPO agent-by-agent PPO), at the action level
 (MARFT-A) and at the token level (MARFT-T, K = 2 tokens per response: the digit and ``<eos>``,
 so the backup also chains inside a response), must go from chance to >= 0.9 within the fixed
-budget (ITERS iterations x ROWS episodes). Independent PPO (parallel mode) on the same task and
-budget stays at chance: its agent 1 never sees agent 0's output.
+budget (ITERS iterations x ROWS episodes). Independent PPO (parallel mode) on the same task stays at
+chance: its agent 1 never sees agent 0's output, so its answer is independent of the digit and its
+expected accuracy is exactly 0.1 whatever it learns. Training it longer cannot change that, so its
+run is IPPO_ITERS iterations, not ITERS (the last eight averaged: 1024 episodes, a standard error of
+about 0.01 around 0.1).
 
 Measured (2 shared CPU cores under load, seeds 0-3 by hand): accuracy reaches 0.9 after 9-17
 iterations and stays at 0.95-0.98 for both levels; IPPO stays at 0.05-0.19 per iteration. Each
@@ -49,7 +52,7 @@ from tests.toy_relay import RelayTask, ToyChatTokenizer, model_config, pretrain_
 pytestmark = pytest.mark.usefixtures("xla_optimized")
 
 SEED = 0
-ROWS, ITERS, K = 128, 30, 2
+ROWS, ITERS, IPPO_ITERS, K = 128, 30, 10, 2
 LR, CRITIC_LR, EPOCHS, MINIBATCHES, KL_STOP, CLIP = 2e-3, 1e-2, 2, 2, 0.05, 0.2
 VALUES, STD, PRETRAIN_STEPS = 10, 0.1, 150
 
@@ -109,7 +112,7 @@ def test_marft_learns_relay(level):
 @pytest.mark.slow
 def test_independent_ppo_stays_near_chance():
     t0 = time.perf_counter()
-    acc = run_relay("action", "parallel")
+    acc = run_relay("action", "parallel", iters=IPPO_ITERS)
     print("ippo", [round(a, 2) for a in acc], f"{time.perf_counter() - t0:.0f}s")
     assert np.mean(acc[:2]) < 0.25
-    assert np.mean(acc[-10:]) < 0.25, "independent PPO cannot see agent 0 and must stay near chance"
+    assert np.mean(acc[-8:]) < 0.25, "independent PPO cannot see agent 0 and must stay near chance"

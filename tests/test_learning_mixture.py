@@ -56,7 +56,9 @@ Compared on the same budget:
 
 Asserted (seed 0): the mixture starts below 0.15 (first two iterations) and averages >= 0.8
 over the last five of 25 iterations (measured 0.91-0.95 over seeds 0-2); independent PPO
-averages < 0.15 over its last ten (measured 0.03-0.05).
+averages < 0.15 over the last eight of IPPO_ITERS = 10 iterations (measured 0.03-0.05 over the
+last ten of 25). Its expected accuracy is 1/25 whatever it learns (above), so a longer run
+could not change it; eight iterations average 1024 episodes (a standard error of about 0.006).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ from tests.toy_relay import ToyChatTokenizer, model_config
 pytestmark = pytest.mark.usefixtures("xla_optimized")
 
 SEED = 0
-ROWS, ITERS, K, LEVEL = 128, 25, 3, "token"
+ROWS, ITERS, IPPO_ITERS, K, LEVEL = 128, 25, 10, 3, "token"
 LR, CRITIC_LR, EPOCHS, MINIBATCHES, KL_STOP, CLIP = 3e-3, 1e-2, 2, 2, 0.05, 0.2
 VALUES, STD, PRETRAIN_STEPS = 5, 0.1, 200
 CHANCE = 1 / VALUES**2
@@ -149,7 +151,7 @@ def test_marft_learns_the_mixture():
 @pytest.mark.slow
 def test_independent_ppo_cannot_learn_the_mixture():
     t0 = time.perf_counter()
-    acc, calls = run_mixture("independent")
+    acc, calls = run_mixture("independent", iters=IPPO_ITERS)
     print("ippo-mixture", [round(a, 2) for a in acc], f"{time.perf_counter() - t0:.0f}s")
     assert set(calls) == {1.0}
-    assert np.mean(acc[-10:]) < 0.15, "an aggregator that reads nobody must stay near chance"
+    assert np.mean(acc[-8:]) < 0.15, "an aggregator that reads nobody must stay near chance"
