@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -11,6 +17,8 @@ import pytest
 from marft_jax.envs.arithmetic import ArithmeticTask
 from marft_jax.envs.scoring_pool import ScoringPool
 from marft_jax.envs.task import Problem, Score, Transcript, score_all
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def _transcripts(task: ArithmeticTask, n: int) -> list[Transcript]:
@@ -77,10 +85,10 @@ def _plain(texts: list[str]) -> list[Transcript]:
 
 def test_submit_is_asynchronous_and_result_can_time_out():
     transcripts = _plain(["a", "bb", "ccc", "dddd"])
-    with ScoringPool(SlowTask(), workers=2, chunk_size=1) as pool:
+    with ScoringPool(SlowTask(delay_s=1.0), workers=2, chunk_size=1) as pool:
         start = time.monotonic()
         handle = pool.submit(transcripts)
-        assert time.monotonic() - start < 0.25  # did not wait for the 0.3 s scores
+        assert time.monotonic() - start < 0.9  # did not wait for the 1 s scores (slack for a loaded box)
         assert not handle.done()
         with pytest.raises(TimeoutError):
             handle.result(timeout=0.01)
@@ -103,3 +111,65 @@ def test_invalid_arguments():
         ScoringPool(SlowTask(), workers=-1)
     with pytest.raises(ValueError, match="chunk_size"):
         ScoringPool(SlowTask(), workers=0, chunk_size=0)
+
+
+_SIGNAL_SCRIPT = """
+import json, signal, sys, time
+from marft_jax.envs.scoring_pool import ScoringPool
+from tests.test_scoring_pool import SlowTask, _plain
+
+if __name__ == "__main__":
+    stop = []
+    for sig in (signal.SIGINT, signal.SIGTERM):      # as the trainer does: note the signal, finish
+        signal.signal(sig, lambda s, f: stop.append(s))
+    with ScoringPool(SlowTask(delay_s=1.0), workers=2, chunk_size=1) as pool:
+        pool.score(_plain(["a", "b"]))                # the workers are up
+        handle = pool.submit(_plain(["a", "bb", "ccc", "dddd"]))
+        print(json.dumps({"workers": sorted(pool._executor._processes)}), flush=True)
+        if sys.argv[1] == "orphan":
+            time.sleep(600)
+        while not stop:
+            time.sleep(0.05)
+        scores = handle.result(timeout=120)
+    print(json.dumps({"signal": stop[0], "rewards": [s.reward for s in scores]}), flush=True)
+"""
+
+
+def _start_signal_script(mode: str) -> tuple[subprocess.Popen, list[int]]:
+    proc = subprocess.Popen([sys.executable, "-c", _SIGNAL_SCRIPT, mode], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    line = proc.stdout.readline()
+    assert line, proc.communicate(timeout=60)[1][-3000:]
+    return proc, json.loads(line)["workers"]
+
+
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="POSIX process groups")
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_callers_process_group_leaves_the_workers_to_finish(sig):
+    """Ctrl-C in a terminal (or ``kill -- -PGID``) signals the whole group; the caller notes it
+    and still gets the batch it had submitted (before, the workers died: BrokenProcessPool)."""
+    proc, workers = _start_signal_script("signal")
+    assert len(workers) >= 1
+    os.killpg(proc.pid, sig)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-3000:]
+    assert json.loads(out.splitlines()[-1]) == {"signal": int(sig), "rewards": [1.0, 0.0, 1.0, 0.0]}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in state         # a zombie has exited (its reaper may be slow)
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc")
+def test_workers_exit_when_the_caller_is_killed():
+    proc, workers = _start_signal_script("orphan")
+    proc.kill()
+    proc.communicate(timeout=60)
+    deadline = time.monotonic() + 20
+    while any(map(_alive, workers)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(map(_alive, workers)), workers

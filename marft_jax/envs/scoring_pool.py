@@ -17,6 +17,12 @@ Scripts that create a pool with ``workers > 0`` need the ``if __name__ == "__mai
 a spawn-started worker re-imports the main module, and without the guard it fails during
 start-up, which leaves ``concurrent.futures`` waiting forever (CPython's behaviour). The
 ``marft-jax`` commands are guarded; so is ``experiments/cpu_repro.py``.
+
+The workers leave the caller's process group, so a signal sent to the whole group (Ctrl-C in a
+terminal, ``kill -TERM -- -PGID``) reaches only the caller, which decides when to stop them
+(the trainer finishes its iteration, scores it and checkpoints first). Signals sent to a
+worker itself (the pool's own ``terminate`` when it breaks) still stop it. A worker whose
+caller has died (``SIGKILL``) exits within a second instead of lingering.
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ from __future__ import annotations
 import concurrent.futures as cf
 import math
 import multiprocessing
+import os
+import threading
+import time
 from typing import Sequence
 
 from marft_jax.envs.task import Score, Task, Transcript, score_all
@@ -31,9 +40,19 @@ from marft_jax.envs.task import Score, Task, Transcript, score_all
 _WORKER_TASK: Task | None = None
 
 
-def _init_worker(task: Task) -> None:
+def _init_worker(task: Task, parent_pid: int) -> None:
     global _WORKER_TASK
     _WORKER_TASK = task
+    if hasattr(os, "setpgid"):       # POSIX: out of the caller's process group (module docstring)
+        os.setpgid(0, 0)
+        threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+
+
+def _exit_when_orphaned(parent_pid: int, poll_s: float = 0.5) -> None:
+    """Outside the caller's group, a worker no longer dies with it: exit once re-parented."""
+    while os.getppid() == parent_pid:
+        time.sleep(poll_s)
+    os._exit(1)
 
 
 def _score_chunk(transcripts: Sequence[Transcript]) -> list[Score]:
@@ -97,7 +116,7 @@ class ScoringPool:
                 max_workers=workers,
                 mp_context=multiprocessing.get_context(start_method),
                 initializer=_init_worker,
-                initargs=(task,),
+                initargs=(task, os.getpid()),
             )
 
     def _chunks(self, transcripts: Sequence[Transcript]) -> list[list[Transcript]]:
