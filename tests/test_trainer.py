@@ -55,6 +55,10 @@ def test_exact_resume_matches_uninterrupted_run(tiny_dir, tmp_path):
     for step in (3, 4):
         keys = set(a[step]) & set(b[step])
         assert keys and {k: a[step][k] for k in keys} == {k: b[step][k] for k in keys}, step
+    # The resumed run meets the programs of the two before it in this process: a restored state
+    # has the fresh one's jit signature (both committed to the device), so nothing compiles again.
+    raw = [json.loads(line) for line in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["perf/compiles"] for m in raw if m["step"] in (3, 4) and "perf/compiles" in m] == [0, 0]
     assert (tmp_path / "cut" / "checkpoints" / "step_00000004").is_dir()
     assert list((tmp_path / "full" / "plots").glob("*.png"))
 

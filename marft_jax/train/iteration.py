@@ -327,8 +327,13 @@ class TeamLearner:
         return contextlib.nullcontext() if self.placement is None else jax.set_mesh(self.placement.mesh)
 
     def place_state(self, state: TrainState) -> TrainState:
-        """The train state (LoRA stack, critic, optimizer states, RNG) replicated on the mesh."""
-        return state if self.placement is None else self.placement.replicate(state)
+        """The train state (LoRA stack, critic, optimizer states, RNG) replicated on the mesh;
+        without a mesh, committed to the one device, as a restored checkpoint's arrays are (an
+        uncommitted fresh state and a committed restored one are different jit signatures, so a
+        run resumed in the same process would compile every program again)."""
+        if self.placement is None:
+            return jax.device_put(state, jax.local_devices()[0])
+        return self.placement.replicate(state)
 
     def place_update(self, batch, plan):
         """The update's inputs on the mesh: batch rows (and packed rows) split over the row
