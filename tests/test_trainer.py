@@ -64,12 +64,24 @@ def test_exact_resume_matches_uninterrupted_run(tiny_dir, tmp_path):
 
 
 def _cli(*args, timeout=600):
+    """``marft-jax ARGS`` as its own process (the entry point itself: module guard, exit code)."""
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, "-m", "marft_jax.cli", *args], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
-def test_cli_train_eval_plot_table(tiny_dir, tmp_path):
+def _main(capsys, *args) -> subprocess.CompletedProcess:
+    """``marft-jax ARGS`` in this process (``cli.main``: the same code without a Python and JAX
+    start-up, and with this worker's compiled programs)."""
+    from marft_jax import cli
+
+    capsys.readouterr()
+    code = cli.main(list(args))
+    out = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, out.out, out.err)
+
+
+def test_cli_train_eval_plot_table(tiny_dir, tmp_path, capsys):
     over = tiny_overrides(tiny_dir, tmp_path, "cli", **{"train.iterations": 1})
     out = _cli("train", "demo", *over)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
@@ -81,15 +93,15 @@ def test_cli_train_eval_plot_table(tiny_dir, tmp_path):
               "actor/planner/pg_loss", "actor/solver/approx_kl", "critic/value_loss",
               "critic/explained_var", "completions/solver/mean_length", "rewards/solver/mean"):
         assert k in keys, k
-    ev = _cli("eval", "demo", *over, "--run", str(run), "--seeds", "2", "--problems", "2",
+    ev = _main(capsys, "eval", "demo", *over, "--run", str(run), "--seeds", "2", "--problems", "2",
               "--out", str(tmp_path / "ev"))
     assert ev.returncode == 0, ev.stderr[-3000:]
     doc = json.loads(next((tmp_path / "ev").glob("*.json")).read_text())
     assert len(doc["seeds"]) == 2 and "planner" in doc["per_agent"]
-    tb = _cli("table", str(run), "--out", str(tmp_path / "tab"))
+    tb = _main(capsys, "table", str(run), "--out", str(tmp_path / "tab"))
     assert tb.returncode == 0, tb.stderr[-3000:]
     assert "MARFT-A" in (tmp_path / "tab" / "results.md").read_text()
-    assert _cli("plot", str(run)).returncode == 0
+    assert _main(capsys, "plot", str(run)).returncode == 0
 
 
 @pytest.mark.parametrize("over,needle", [
@@ -103,16 +115,16 @@ def test_out_of_range_values_name_the_key(over, needle):
         load_config("demo", over)
 
 
-def test_bad_model_path_and_profile_count_are_clear(tmp_path):
-    out = _cli("train", "demo", "model.name=/nonexistent/model", f"train.out_dir={tmp_path}")
+def test_bad_model_path_and_profile_count_are_clear(tmp_path, capsys):
+    out = _main(capsys, "train", "demo", "model.name=/nonexistent/model", f"train.out_dir={tmp_path}")
     assert out.returncode == 2 and "/nonexistent/model" in out.stderr
-    out = _cli("train", "demo", "team.num_agents=3", f"train.out_dir={tmp_path}")
+    out = _main(capsys, "train", "demo", "team.num_agents=3", f"train.out_dir={tmp_path}")
     assert out.returncode == 2 and "rollout.agent_max_new_tokens" in out.stderr, out.stderr  # demo's 2 budgets
-    out = _cli("train", "demo", "team.num_agents=3", "rollout.agent_max_new_tokens=null", f"train.out_dir={tmp_path}")
+    out = _main(capsys, "train", "demo", "team.num_agents=3", "rollout.agent_max_new_tokens=null", f"train.out_dir={tmp_path}")
     assert out.returncode == 2 and "defines 2 agent(s)" in out.stderr and "num_agents=3" in out.stderr, out.stderr
 
 
-def test_unsupported_architecture_is_refused(tmp_path, tiny_dir):
+def test_unsupported_architecture_is_refused(tmp_path, tiny_dir, capsys):
     import shutil
 
     bad = tmp_path / "bad"
@@ -120,14 +132,14 @@ def test_unsupported_architecture_is_refused(tmp_path, tiny_dir):
     cfg = json.loads((bad / "config.json").read_text())
     cfg["model_type"] = "gpt2"
     (bad / "config.json").write_text(json.dumps(cfg))
-    out = _cli("train", "demo", f"model.name={bad}", f"train.out_dir={tmp_path}")
+    out = _main(capsys, "train", "demo", f"model.name={bad}", f"train.out_dir={tmp_path}")
     assert out.returncode == 2 and "gpt2" in out.stderr, out.stderr
 
 
-def test_dataset_missing_field_is_named(tmp_path):
+def test_dataset_missing_field_is_named(tmp_path, capsys):
     f = tmp_path / "d.jsonl"
     f.write_text('{"problem": "1+1?", "answer": "2"}\n{"problem": "2+2?"}\n')
-    out = _cli("train", "demo", "task.name=generic", f"task.path={f}", f"train.out_dir={tmp_path}")
+    out = _main(capsys, "train", "demo", "task.name=generic", f"task.path={f}", f"train.out_dir={tmp_path}")
     assert out.returncode == 2 and "d.jsonl" in out.stderr and "answer" in out.stderr, out.stderr
 
 
