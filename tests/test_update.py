@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,12 @@ from marft_jax.models.critic import value_head
 from marft_jax.rl import losses
 from marft_jax.rl.state import init_train_state, policy_optimizer
 from marft_jax.rl.update import UpdateBatch, UpdateConfig, critic_update, ppo_update, update_agents
+
+# One program per call, as inside ppo_update: called eagerly, the operations around the scans
+# (and every operation of the oracle below) would each compile on their own (several hundred
+# small programs per test, most of the file's time).
+update_agents = jax.jit(update_agents, static_argnums=(1, 2))
+critic_update = jax.jit(critic_update, static_argnums=(1, 2))
 
 CFG = ModelConfig(arch="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=8)
@@ -57,12 +64,14 @@ def _with_ppo(ucfg: UpdateConfig, **changes) -> UpdateConfig:
     return dataclasses.replace(ucfg, ppo=dataclasses.replace(ucfg.ppo, **changes))
 
 
+@functools.partial(jax.jit, static_argnums=(5,))
 def _oracle_agent_step(base, lora, opt, a, batch, ucfg, happo):
-    """Agent a's update written directly from the public losses and optax (no scan)."""
+    """Agent a's update written directly from the public losses and optax (no scan); ``a`` is
+    traced (one program for every agent)."""
     sl = lambda x: x[:, :, a].reshape((S * B,) + x.shape[3:])
     d = {f: sl(getattr(batch, f)) for f in ("ctx_tokens", "ctx_valid", "act_tokens", "act_valid",
                                              "logp_old", "adv", "dp_mask", "word_count")}
-    one = jax.tree.map(lambda x: x[a:a + 1], lora)
+    one = jax.tree.map(lambda x: jax.lax.dynamic_slice_in_dim(x, a, 1), lora)
 
     def loss(l1):
         lp, ent = logprobs.action_logprobs(base, l1, 0, d["ctx_tokens"], d["ctx_valid"], d["act_tokens"],
