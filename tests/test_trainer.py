@@ -232,3 +232,31 @@ def test_layer_links_reach_the_rollout_and_the_backup(tiny_dir, tmp_path):
         load_config("demo-mixture", over + ["team.layer_links=star"])
     with pytest.raises(ConfigError, match="algo.reference_semantics.*team.layer_links"):
         build_team(load_config("demo-mixture", over + ["algo.reference_semantics=true"]))
+
+
+def test_a_resumed_run_measures_the_untrained_team_before_training(tiny_dir, tmp_path, monkeypatch):
+    """A run whose first part skipped the evaluation before training (``train.eval_before=false``,
+    as a sweep does for runs that share one) and that is resumed with it on evaluates the
+    initial state (the untrained team), not the restored one."""
+    import jax
+    import numpy as np
+
+    from marft_jax.train import trainer
+
+    seen = []
+    real = trainer.evaluate
+
+    def spy(learner, state, *args, **kwargs):
+        seen.append(np.concatenate([np.ravel(x) for x in jax.tree.leaves(state.lora.b)]))
+        return real(learner, state, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "evaluate", spy)
+    over = tiny_overrides(tiny_dir, tmp_path, "skip", **{"train.iterations": 2, "train.save_every": 1})
+    trainer.train(load_config("demo", over + ["train.eval_before=false"]), stop_after=1)
+    assert not seen                                                 # skipped, as asked
+    summary = trainer.train(load_config("demo", over))              # resumes from iteration 1
+    before, after = seen[0], seen[-1]
+    assert not before.any(), "the untrained team (LoRA B = 0) is evaluated before training"
+    assert after.any()
+    assert summary["accuracy_before"] is not None
+    assert (tmp_path / "skip" / "eval" / "before.json").is_file()

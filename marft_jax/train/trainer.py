@@ -203,6 +203,7 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.train.keep_last, async_save=True)
     start, position, env_samples, before = 0, 0, 0, None
     saved_at = None  # the step whose checkpoint holds `state` (not saved again: orbax cannot overwrite in place)
+    untrained = state
     if resume and ckpt.all_steps():
         state, extra = ckpt.restore(target_state=state)
         start, position = int(extra["iteration"]), int(extra["data_position"])
@@ -221,11 +222,15 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
         raise ValueError(f"task {run.task.name!r} has no test problems for evaluation")
 
     if before is None and cfg.train.eval_before:
+        # A run resumed past iteration 0 whose first part skipped this evaluation: the untrained
+        # team is the initial state (a function of the seed), not the restored one.
         t_eval = time.perf_counter()
-        res = _eval_and_save(run, state, eval_problems, cfg, run_dir, "before")
+        res = _eval_and_save(run, state if start == 0 else learner.place_state(untrained), eval_problems, cfg,
+                             run_dir, "before")
         before = res.mean
         print(f"accuracy before training: {before:.3f} on {len(eval_problems)} held-out problems "
               f"({time.perf_counter() - t_eval:.0f}s)")
+    del untrained
     t_start = time.perf_counter()       # the time budget counts training only
     seed_key = jax.random.key(cfg.train.seed + 1)
     bar = _progress(cfg.train.iterations, start)
