@@ -114,6 +114,26 @@ def untrained_key(cfg) -> str:
     return json.dumps(parts, sort_keys=True)
 
 
+def known_untrained(runs_dir: Path, overrides: list[str]) -> dict:
+    """:func:`untrained_key` -> ``(accuracy, run name)`` of the untrained evaluations that the
+    finished runs in ``runs_dir`` made, whatever their seeds: a sweep over other seeds (or
+    methods) shares them instead of evaluating again (and a run resumed past iteration 0 never
+    has to evaluate its untrained team)."""
+    from marft_jax.config import load_config
+
+    found = {}
+    for method in METHODS:
+        summaries = sorted(runs_dir.glob(f"{method}-s*/summary.json"))
+        if not summaries:
+            continue
+        key = untrained_key(load_config(f"cpu_repro/{method}", list(overrides)))
+        for path in summaries:
+            done = json.loads(path.read_text())
+            if done.get("accuracy_after") is not None and done.get("accuracy_before") is not None:
+                found.setdefault(key, (done["accuracy_before"], done.get("accuracy_before_from", path.parent.name)))
+    return found
+
+
 def run_one(method: str, seed: int, overrides: list[str], runs_dir: Path, untrained: dict) -> dict:
     """Train one method/seed (or reuse a finished run). ``untrained`` maps :func:`untrained_key`
     to ``(accuracy, run name)`` of an evaluation already made; it is filled in here."""
@@ -579,7 +599,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
 
     t0 = time.perf_counter()
-    rows, untrained = [], {}
+    rows, untrained = [], known_untrained(runs_dir, a.overrides)
     plan = [(m, seed) for seed in a.seeds for m in a.methods]   # seed-major: a partial sweep covers every method
     bar = _runs_bar(len(plan))
     for k, (m, seed) in enumerate(plan):

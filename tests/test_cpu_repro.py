@@ -55,6 +55,13 @@ def test_cpu_repro_writes_table_and_reuses_finished_runs(tmp_path, tiny_model_di
     assert (tmp_path / "runs" / "marft_a-s0" / "metrics.jsonl").stat().st_mtime_ns == stamp
     assert [r["accuracy_after"] for r in again] == [r["accuracy_after"] for r in rows]
 
+    # A sweep over another seed shares the untrained evaluation the first sweep made
+    other = ["--seeds", "1", "--methods", "marft_t", *argv[5:]]
+    (row,) = cpu_repro.main(other)
+    assert not (runs / "marft_t-s1" / "eval" / "before.json").exists()
+    assert json.loads((runs / "marft_t-s1" / "summary.json").read_text())["accuracy_before_from"] == "marft_a-s0"
+    assert row["accuracy_before"] == rows[0]["accuracy_before"]
+
 
 def test_a_longer_sweep_extends_finished_runs(tmp_path, tiny_model_dir):
     """A sweep run again with more iterations resumes each finished run from its last
