@@ -117,8 +117,7 @@ def untrained_key(cfg) -> str:
 def known_untrained(runs_dir: Path, overrides: list[str]) -> dict:
     """:func:`untrained_key` -> ``(accuracy, run name)`` of the untrained evaluations that the
     finished runs in ``runs_dir`` made, whatever their seeds: a sweep over other seeds (or
-    methods) shares them instead of evaluating again (and a run resumed past iteration 0 never
-    has to evaluate its untrained team)."""
+    methods) shares them instead of evaluating again."""
     from marft_jax.config import load_config
 
     found = {}
