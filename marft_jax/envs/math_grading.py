@@ -61,6 +61,7 @@ import threading
 import time
 from typing import Any
 
+from marft_jax.envs.parent_watch import exit_when_orphaned
 from marft_jax.envs.task import Score
 
 DEFAULT_TIMEOUT_S = 5.0
@@ -844,15 +845,7 @@ def _worker_main(verify_fn_spec: str, memory_limit_mb: int) -> None:
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         except (ImportError, ValueError, OSError):
             pass
-    parent = os.getppid()
-
-    def watch_parent() -> None:
-        while True:
-            time.sleep(1.0)
-            if os.getppid() != parent:
-                os._exit(0)
-
-    threading.Thread(target=watch_parent, daemon=True).start()
+    exit_when_orphaned()
     out = sys.stdout
     sys.stdout = sys.stderr  # stray prints must not corrupt the protocol
     try:

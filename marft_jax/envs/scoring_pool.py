@@ -31,10 +31,9 @@ import concurrent.futures as cf
 import math
 import multiprocessing
 import os
-import threading
-import time
 from typing import Sequence
 
+from marft_jax.envs.parent_watch import exit_when_orphaned
 from marft_jax.envs.task import Score, Task, Transcript, score_all
 
 _WORKER_TASK: Task | None = None
@@ -45,14 +44,7 @@ def _init_worker(task: Task, parent_pid: int) -> None:
     _WORKER_TASK = task
     if hasattr(os, "setpgid"):       # POSIX: out of the caller's process group (module docstring)
         os.setpgid(0, 0)
-        threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-
-
-def _exit_when_orphaned(parent_pid: int, poll_s: float = 0.5) -> None:
-    """Outside the caller's group, a worker no longer dies with it: exit once re-parented."""
-    while os.getppid() == parent_pid:
-        time.sleep(poll_s)
-    os._exit(1)
+        exit_when_orphaned(parent_pid)     # outside the caller's group it no longer dies with it
 
 
 def _score_chunk(transcripts: Sequence[Transcript]) -> list[Score]:
