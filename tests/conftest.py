@@ -121,14 +121,16 @@ def no_persistent_compile_cache():
         compilation_cache.reset_cache()
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def xla_optimized():
-    """XLA's usual optimisations for one test (then the session's setting again): for tests
-    that run their programs many times, where the optimised code pays for its compile time.
+    """XLA's usual optimisations for one module's tests (then the session's setting again): for
+    tests that run their programs many times, where the optimised code pays for its compile time.
 
     The setting is not part of jit's in-memory cache key, so the caches are cleared on the way
-    in and out: the test compiles every program it runs (eager operations included) optimised,
-    whatever ran before it, and later tests do not reuse its programs."""
+    in and out of the module: its tests compile every program they run (eager operations
+    included) optimised, whatever ran before them, and share those programs with one another
+    (the learning modules' runs of one task share the sampler and most eager programs); later
+    modules do not reuse them."""
     saved = jax.config.read("jax_disable_most_optimizations")
     jax.clear_caches()
     jax.config.update("jax_disable_most_optimizations", False)
