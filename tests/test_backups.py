@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 
 from marft_jax.bench import reference_backups as backups_reference
 from marft_jax.rl import backups, layout, native, rewards
+from tests.xla_env import device_env
 
 IMPLS = ("scan", "associative", "blocked", "native")
 HYP = settings(max_examples=15, deadline=None, derandomize=True,
@@ -785,8 +786,7 @@ SHARD_SCRIPT = textwrap.dedent("""
 
 def test_sharded_batch_equals_unsharded():
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu", PYTHONPATH=str(root))
+    env = device_env(8, PYTHONPATH=str(root))
     proc = subprocess.run([sys.executable, "-c", SHARD_SCRIPT], env=env, cwd=root,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr

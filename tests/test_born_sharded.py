@@ -5,7 +5,6 @@ memory-mapped file, never the whole tensor."""
 from __future__ import annotations
 
 import json
-import os
 import struct
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from tests.xla_env import device_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -108,7 +108,7 @@ def _child(model_dir: str) -> None:
 @pytest.mark.multidevice
 def test_base_weights_are_born_sharded_from_their_blocks(tmp_path):
     root = _save(tmp_path / "m", "qwen2")
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
+    env = device_env(4)
     out = subprocess.run([sys.executable, "-c", f"from tests.test_born_sharded import _child; _child({str(root)!r})"],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-4000:]

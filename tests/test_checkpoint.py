@@ -31,6 +31,7 @@ from marft_jax.rl.state import init_train_state
 from marft_jax.train import checkpoint as ck
 from marft_jax.train.checkpoint import (CheckpointCorruptError, CheckpointManager,
                                         CheckpointMismatchError, CheckpointSaveError, export_adapters)
+from tests.xla_env import device_env
 
 ROOT = Path(__file__).resolve().parents[1]
 CFG = ModelConfig(arch="llama", vocab_size=61, hidden_size=32, intermediate_size=48, num_layers=2,
@@ -438,7 +439,7 @@ def test_restore_reshards_between_1_and_8_devices(tmp_path, states):
     with CheckpointManager(tmp_path / "ckpt", keep_last=None, async_save=False) as mgr:
         mgr.save(1, states[1])
     np.savez(tmp_path / "want.npz", *_host_leaves(states[1]))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = device_env(8)
     out = subprocess.run([sys.executable, "-c", RESHARD_SCRIPT, str(tmp_path / "ckpt"), str(tmp_path / "want.npz")],
                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and "OK" in out.stdout, out.stdout + out.stderr[-4000:]
@@ -514,8 +515,7 @@ def _free_port() -> int:
 def test_two_processes_save_restore_resume(tmp_path):
     """Two jax.distributed processes on localhost (2 CPU devices each) save one sharded array
     pytree (each writes its shards, orbax barriers), restore it onto another layout, and resume."""
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
+    env = device_env(None)
     port = _free_port()
     logs = [open(tmp_path / f"process{i}.log", "w+") for i in range(2)]
     procs = [subprocess.Popen([sys.executable, "-c", MULTIPROCESS_SCRIPT, str(i), str(port), str(tmp_path / "ckpt")],

@@ -10,12 +10,12 @@ states row-split and gathers each layer's weights before running it (FSDP / ZeRO
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.xla_env import device_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.multidevice
 def test_fsdp_mesh_keeps_rows_split_and_gathers_the_weights():
     d = 4
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={d}")
+    env = device_env(d)
     out = subprocess.run([sys.executable, "-m", "tests.fsdp_split"], env=env, cwd=ROOT, capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-6000:]

@@ -20,6 +20,7 @@ import pytest
 
 from marft_jax.config import ConfigError, DistSection, MeshSection
 from tests.test_team_graph_rollout import CharTokenizer
+from tests.xla_env import device_env
 
 # One worker runs the whole module (pytest-xdist --dist loadfile), so its session fixtures run once.
 
@@ -249,8 +250,7 @@ def _popen(args: list[str], devices: int, env: dict | None = None):
     """``python args`` started with ``devices`` simulated CPU devices; (process, log file)."""
     import tempfile
 
-    env = dict(os.environ if env is None else env, JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env = device_env(devices, env)
     log = tempfile.TemporaryFile("w+")
     return subprocess.Popen([sys.executable, *args], env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
                             text=True), log

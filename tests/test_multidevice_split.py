@@ -9,19 +9,19 @@ of the partitioned program.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from tests.xla_env import device_env
 
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _check(name: str, devices: int) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = device_env(devices)
     out = subprocess.run([sys.executable, "-m", "tests.multidevice_split", name], env=env, cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-6000:]

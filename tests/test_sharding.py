@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from tests.xla_env import device_env
 
 SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
@@ -38,7 +38,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_sharded_forward_equals_unsharded():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = device_env(8)
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, cwd=root, capture_output=True,
                          text=True, timeout=300)
