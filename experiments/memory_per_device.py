@@ -126,15 +126,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 def _spawn(args, argv: list[str], variant: str) -> dict:
     """Run the measurement in a subprocess with D simulated devices and ``variant``'s XLA flags."""
-    flags = (os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={args.devices} "
-             + VARIANTS[variant])
+    from marft_jax.distributed import simulated_devices_env
+
+    env = simulated_devices_env(args.devices)
+    flags = f"{env['XLA_FLAGS']} {VARIANTS[variant]}"
     tmp = None
     if args.explain:   # XLA's buffer assignments, read back to say what the temp bytes hold
         tmp = tempfile.TemporaryDirectory(prefix="memory_per_device_")
         flags += (f" --xla_dump_to={tmp.name} --xla_dump_hlo_module_re="
                   f"jit_({'|'.join(sorted(set(JIT_NAMES.values())))})")
         argv = argv + ["--_dump_dir", tmp.name]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=" ".join(flags.split()))
+    env["XLA_FLAGS"] = " ".join(flags.split())
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     print(f"variant {variant}: XLA_FLAGS={env['XLA_FLAGS']}", file=sys.stderr, flush=True)
     t0 = time.perf_counter()

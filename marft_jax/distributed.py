@@ -127,3 +127,19 @@ def describe_devices(mesh: Mesh | None = None) -> str:
     if mesh is not None:
         line += f"; mesh {dict(mesh.shape)}"
     return line
+
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def simulated_devices_env(devices: int | None, base: dict | None = None, **extra: str) -> dict:
+    """The environment of a subprocess on the CPU with ``devices`` simulated devices (``None``:
+    JAX's default, one): a copy of ``base`` (default ``os.environ``) plus ``extra``, whose
+    ``XLA_FLAGS`` keeps every entry but an earlier device count. The count is fixed when JAX
+    starts, so multi-device CPU runs (benchmarks, tests) are subprocesses."""
+    env = dict(os.environ if base is None else base, JAX_PLATFORMS="cpu", **extra)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if f.split("=", 1)[0] != _DEVICE_COUNT_FLAG]
+    if devices is not None:
+        flags.append(f"{_DEVICE_COUNT_FLAG}={devices}")
+    env["XLA_FLAGS"] = " ".join(flags)
+    return env

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from tests.xla_env import device_env
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.xla_env import device_env
 
 ROOT = Path(__file__).resolve().parents[1]

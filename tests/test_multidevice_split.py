@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from tests.xla_env import device_env
 
 

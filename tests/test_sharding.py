@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
 from tests.xla_env import device_env
 
 SCRIPT = textwrap.dedent("""

@@ -15,10 +15,7 @@ test workers and every subprocess they start (which inherit ``os.environ``) comp
 
 from __future__ import annotations
 
-import os
-
 SUITE_XLA_FLAGS = ("--xla_cpu_use_fusion_emitters=false",)
-_DEVICE_COUNT = "--xla_force_host_platform_device_count"
 
 
 def with_suite_flags(flags: str) -> str:
@@ -29,11 +26,10 @@ def with_suite_flags(flags: str) -> str:
 
 
 def device_env(devices: int | None, base: dict | None = None, **extra: str) -> dict:
-    """A copy of ``base`` (default ``os.environ``) for a subprocess on the CPU with ``devices``
-    simulated devices (``None``: JAX's default, one), keeping every other ``XLA_FLAGS`` entry."""
-    env = dict(os.environ if base is None else base, JAX_PLATFORMS="cpu", **extra)
-    flags = [f for f in env.get("XLA_FLAGS", "").split() if f.split("=", 1)[0] != _DEVICE_COUNT]
-    if devices is not None:
-        flags.append(f"{_DEVICE_COUNT}={devices}")
-    env["XLA_FLAGS"] = with_suite_flags(" ".join(flags))
+    """:func:`marft_jax.distributed.simulated_devices_env` with the suite's flags (where ``base``
+    lacks them). (Imported here: conftest imports this module before JAX starts.)"""
+    from marft_jax.distributed import simulated_devices_env
+
+    env = simulated_devices_env(devices, base, **extra)
+    env["XLA_FLAGS"] = with_suite_flags(env["XLA_FLAGS"])
     return env

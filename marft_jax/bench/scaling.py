@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from typing import Sequence
@@ -53,9 +52,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 def _spawn(args, argv: list[str]) -> dict:
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") +
-                          f" --xla_force_host_platform_device_count={args.devices}").strip())
+    from marft_jax.distributed import simulated_devices_env
+
+    env = simulated_devices_env(args.devices)
     out = subprocess.run([sys.executable, "-m", "marft_jax.bench.scaling", *argv, CHILD_FLAG], env=env,
                          capture_output=True, text=True)
     sys.stderr.write(out.stderr[-4000:])
