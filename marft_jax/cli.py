@@ -1,4 +1,4 @@
-"""``marft-jax``: train, eval, generate, bench, table, plot.
+"""``marft-jax``: train, eval, generate, bench, table, plot, preflight.
 
 Every subcommand has ``--help``. Configs are presets (``experiments/configs``) or YAML files
 plus ``key=value`` overrides, e.g. ``marft-jax train demo ppo.epochs=2 train.iterations=10``.
@@ -12,8 +12,8 @@ import os
 import sys
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Hub access follows the environment (HF_HOME, HF_HUB_OFFLINE, HF_TOKEN): models and datasets
+# named org/name are fetched into the Hugging Face cache unless HF_HUB_OFFLINE=1 (marft_jax.hub).
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 EPILOG = "Config overrides are dotted key=value pairs (see docs/configuration.md)."
@@ -131,7 +131,7 @@ def cmd_generate(args) -> int:
     from marft_jax.models.registry import load_model
     from marft_jax.sampling.sampler import Sampler, SamplingConfig
 
-    model = load_model(args.model)
+    model = load_model(args.model, revision=args.revision)
     tok = HFChatTokenizer(model.tokenizer, stop_ids=model.stop_token_ids)
     prompts = args.prompt or ["What is 12 + 30? Answer with a number.",
                               "Name three primary colours.",
@@ -201,6 +201,12 @@ def cmd_plot(args) -> int:
     return 0
 
 
+def cmd_preflight(args) -> int:
+    from marft_jax.preflight import main as preflight
+
+    return preflight(args, lambda items: _load(items, "demo"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="marft-jax", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -226,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_eval)
 
     g = sub.add_parser("generate", help="sample from a model (chat template applied)")
-    g.add_argument("--model", default="smollm2-135m", help="registry name, HF directory or .gguf file")
+    g.add_argument("--model", default="smollm2-135m", help="registry name, HF directory, .gguf file or Hub id org/name")
+    g.add_argument("--revision", default=None, help="Hub branch, tag or commit of an org/name model (default main)")
     g.add_argument("--prompt", action="append", help="a user message (repeatable)")
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.add_argument("--max-new-tokens", type=int, default=64)
@@ -267,6 +274,18 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--out", default=None,
                     help="the held-out accuracy figure (default: ./heldout_accuracy.png)")
     pl.set_defaults(fn=cmd_plot)
+
+    pf = sub.add_parser("preflight", help="lower every program of a run for a GPU or TPU, on this CPU, offline",
+                        epilog=EPILOG,
+                        description="Check a config before paying for the pod: the run's prefill, decode, "
+                                    "feature, recompute, update and evaluation programs at the shapes the run "
+                                    "produces, lowered for --platform on a mesh of --devices simulated devices, "
+                                    "with abstract weights (the model's config.json only). One line per program; "
+                                    "exit status 1 at the first that fails, naming the config key to change.")
+    from marft_jax.preflight import add_arguments
+
+    add_arguments(pf)
+    pf.set_defaults(fn=cmd_preflight)
     return p
 
 

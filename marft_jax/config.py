@@ -33,7 +33,8 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelSection:
-    name: str = "smollm2-135m"          # registry name, HF directory or .gguf file
+    name: str = "smollm2-135m"          # registry name, HF directory, .gguf file or Hub id org/name
+    revision: Optional[str] = None      # Hub branch, tag or commit of an org/name model; null = main
     dtype: str = "auto"                 # auto (float32 on CPU, bfloat16 on GPU/TPU) | float32 | bfloat16
     remat: Optional[str] = None         # none | full | dots | dots_no_batch (true/false = full/none); null = auto
     attention: str = "auto"             # auto | xla | cudnn | pallas | splash (marft_jax.models.attention)
@@ -57,8 +58,8 @@ class LoraConfig:
 @dataclass
 class TaskSection:
     name: str = "arithmetic"            # arithmetic | math | gsm8k | math500 | aime | humaneval | code_jsonl | generic
-    path: Optional[str] = None          # dataset file for file-based tasks
-    eval_path: Optional[str] = None     # separate evaluation file (default: held-out split of path)
+    path: Optional[str] = None          # local training file; null = the task's pinned Hub dataset (docs/tasks.md)
+    eval_path: Optional[str] = None     # local evaluation file (default: the Hub test set, or a held-out split of path)
     level: int = 1                      # arithmetic difficulty
     train_size: int = 2000
     test_size: int = 200
@@ -99,6 +100,10 @@ class RolloutConfig:
     top_p: float = 1.0
     prompt_format: str = "chat"         # chat | g1_raw
     success_threshold: float = 1.0      # a step whose score reaches it ends the episode
+    # A prompt that leaves less than the minimum generation budget (a quarter of the agent's) in
+    # context_window: truncate_history (drop the oldest turns) | end_episode (truncated,
+    # bootstrapped) | error (marft_jax.rl.rollout)
+    overflow: str = "truncate_history"
 
     def budget(self, agent: int) -> int:
         """Agent ``agent``'s token budget K_i."""
@@ -214,7 +219,7 @@ class TrainSection:
     eval_batch_size: int = 64           # episodes per evaluation sampler call (larger = faster on CPU)
     eval_before: bool = True            # false: skip the untrained evaluation (sweeps that share one)
     eval_temperature: float = 0.0       # the demo evaluates greedily; `marft-jax eval` uses 0.6
-    save_every: int = 10
+    save_every: int = 10                # 0: only the final checkpoint
     keep_last: int = 3
     time_budget_s: Optional[float] = None
     scoring_workers: int = 2
@@ -222,6 +227,9 @@ class TrainSection:
     loggers: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])  # jsonl (required) | tensorboard | wandb
     wandb: WandbSection = field(default_factory=WandbSection)
     profile: ProfileSection = field(default_factory=ProfileSection)
+    # JAX's persistent compilation cache: auto (GPU/TPU: ~/.cache/marft_jax/xla, CPU: off), a
+    # directory, or off / "" (distributed.compilation_cache_dir).
+    compilation_cache_dir: str = "auto"
 
 
 @dataclass
@@ -281,6 +289,7 @@ _CHOICES = {
     "task.code_reward": ("fraction", "binary"),
     "rollout.mode": ("sequential", "parallel"),
     "rollout.prompt_format": ("chat", "g1_raw"),
+    "rollout.overflow": ("truncate_history", "end_episode", "error"),
     "algo.level": ("action", "token"),
     "algo.reward_to": ("last", "all"),
     "ppo.value_loss": ("huber", "mse"),
@@ -377,11 +386,19 @@ def validate(cfg: Config) -> Config:
     if cfg.train.profile.start is not None:
         need("train.profile.start", cfg.train.profile.start >= 0, ">= 0 or null (off)")
     need("train.profile.steps", cfg.train.profile.steps >= 1, ">= 1")
+    cache = cfg.train.compilation_cache_dir
+    need("train.compilation_cache_dir", isinstance(cache, str) and not (
+        cache.strip().lower() not in ("auto", "off", "", "false", "none") and Path(cache).expanduser().is_file()),
+         "auto, off, \"\" (off) or a directory (not a file)")
     need("train.eval_problems", cfg.train.eval_problems >= 1, ">= 1")
     need("train.eval_batch_size", cfg.train.eval_batch_size >= 1, ">= 1")
     need("train.eval_temperature", cfg.train.eval_temperature >= 0, ">= 0")
     need("train.scoring_workers", cfg.train.scoring_workers >= 0, ">= 0")
     need("train.log_every", cfg.train.log_every >= 1, ">= 1")
+    need("train.eval_every", cfg.train.eval_every >= 0, ">= 0 (0: evaluate before and after training only)")
+    need("train.save_every", cfg.train.save_every >= 0, ">= 0 (0: only the final checkpoint)")
+    if cfg.train.time_budget_s is not None:
+        need("train.time_budget_s", cfg.train.time_budget_s >= 0, ">= 0 or null (0 or null: no budget)")
     from marft_jax.train.metric_sinks import WANDB_MODES, logger_problem
 
     problem = logger_problem(cfg.train.loggers)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+from typing import Callable
 
 import jax
 from jax.sharding import Mesh
@@ -43,8 +44,52 @@ class DistPlan:
     process_id: int | None = None
 
 
-def plan_initialize(dist: DistSection, env: dict | None = None) -> DistPlan:
-    """Decide whether and how to call ``jax.distributed.initialize`` (pure: reads ``env``)."""
+@dataclasses.dataclass(frozen=True)
+class TpuSlice:
+    """What JAX's own Cloud TPU detection found on this host: ``processes`` hosts in all
+    (workers per slice x slices), or ``None`` with ``error`` when the metadata could not be read."""
+
+    processes: int | None
+    error: str | None = None
+
+
+def detect_cloud_tpu_slice() -> TpuSlice | None:
+    """JAX's GCE TPU VM detection (``jax._src.clusters.cloud_tpu_cluster.GceTpuCluster``), the
+    one ``jax.distributed.initialize()`` runs with no arguments: on a TPU VM (``libtpu`` and
+    local TPU chips, found when ``jax`` is imported) it asks the VM's metadata server for this
+    worker's number and the slice's worker list; no environment variable says so.
+
+    Returns ``None`` off a Cloud TPU VM (no network request is made), else a :class:`TpuSlice`.
+    Never raises: a private JAX API that moved or a metadata server that does not answer is
+    reported in ``TpuSlice.error``.
+    """
+    try:
+        from jax._src import cloud_tpu_init
+
+        if not getattr(cloud_tpu_init, "running_in_cloud_tpu_vm", False):
+            return None
+        if os.environ.get("TPU_SKIP_MDS_QUERY") is not None:
+            return None
+        from jax._src.clusters.cloud_tpu_cluster import GceTpuCluster
+
+        if not GceTpuCluster.is_env_present():
+            return TpuSlice(None, "the metadata server has no agent-worker-number")
+        return TpuSlice(int(GceTpuCluster.get_process_count()))
+    except Exception as e:   # absent module (JAX moved it), requests missing, metadata unreachable
+        return TpuSlice(None, f"{type(e).__name__}: {e}"[:300])
+
+
+def plan_initialize(dist: DistSection, env: dict | None = None,
+                    detect_tpu: Callable[[], TpuSlice | None] | None = detect_cloud_tpu_slice) -> DistPlan:
+    """Decide whether and how to call ``jax.distributed.initialize`` (pure but for
+    ``detect_tpu``, which runs only when nothing in ``dist`` or ``env`` decides).
+
+    Order: ``dist.initialize=off``; an explicit coordinator (config, then
+    ``JAX_COORDINATOR_ADDRESS``); a multi-process cluster named by the environment (SLURM, Open
+    MPI, a GKE TPU slice, a JobSet); ``dist.initialize=on``; else ``detect_tpu()`` (a GCE TPU
+    VM slice, found through the metadata server, not the environment): several hosts -> let
+    JAX detect the coordinator, count and index itself; one host or no TPU VM -> one process.
+    """
     env = dict(os.environ if env is None else env)
     coordinator = dist.coordinator or env.get("JAX_COORDINATOR_ADDRESS")
     num = dist.num_processes if dist.num_processes is not None else _int_env(env, "JAX_NUM_PROCESSES")
@@ -59,7 +104,16 @@ def plan_initialize(dist: DistSection, env: dict | None = None) -> DistPlan:
     if dist.initialize == "on" or found:
         why = f"detected {found[0]}" if found else "dist.initialize=on"
         return DistPlan(True, why, None, num, pid)
-    return DistPlan(False, "no coordinator and no multi-process cluster detected: one process")
+    tpu = detect_tpu() if detect_tpu is not None else None
+    if tpu is None:
+        return DistPlan(False, "no coordinator and no multi-process cluster detected: one process")
+    if tpu.processes is None:
+        return DistPlan(False, f"Cloud TPU VM, but JAX's slice detection failed ({tpu.error}): one process; "
+                               "on a multi-host slice set dist.initialize=on or dist.coordinator")
+    if tpu.processes > 1:
+        return DistPlan(True, f"detected a Cloud TPU VM slice of {tpu.processes} hosts (JAX's metadata detection)",
+                        None, num, pid)
+    return DistPlan(False, "single-host Cloud TPU VM: one process")
 
 
 def _int_env(env: dict, name: str) -> int | None:
@@ -80,6 +134,61 @@ def initialize(dist: DistSection) -> DistPlan:
                                    process_id=plan.process_id, initialization_timeout=dist.timeout_s,
                                    heartbeat_timeout_seconds=dist.heartbeat_timeout_s)
     return plan
+
+
+COMPILATION_CACHE_MIN_COMPILE_S = 0.5   # programs that compile faster are not worth a disk entry
+OFF = ("off", "", "false", "none")     # YAML and the override parser read `off` as false
+
+
+def compilation_cache_dir(setting: str, backend: str, env: dict | None = None) -> str | None:
+    """Where JAX's persistent compilation cache goes for ``train.compilation_cache_dir=setting``
+    on ``backend`` (None: off). Pure: reads ``env`` (default ``os.environ``).
+
+    ``auto``: on GPU / TPU ``<cache>/xla`` where ``<cache>`` is the native kernels' cache
+    (:mod:`marft_jax.native_build`: ``$MARFT_JAX_CACHE``, else ``$XDG_CACHE_HOME/marft_jax``,
+    else ``~/.cache/marft_jax``), shared by
+    every run on the machine (a rerun, a resume or the next sweep point skips the minutes of
+    compiling a billion-parameter model's programs); on the CPU off (its programs compile in
+    seconds, and the tests compare compile counts). ``off`` or ``""``: off. Anything else: that
+    directory, on every backend.
+    """
+    env = dict(os.environ if env is None else env)
+    if setting.strip().lower() in OFF:
+        return None
+    if setting != "auto":
+        return os.path.expanduser(setting)
+    if backend == "cpu":
+        return None
+    if env.get("MARFT_JAX_CACHE"):
+        return os.path.join(env["MARFT_JAX_CACHE"], "xla")
+    base = env.get("XDG_CACHE_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "marft_jax", "xla")
+
+
+def enable_compilation_cache(setting: str, backend: str | None = None) -> str | None:
+    """Point ``jax_compilation_cache_dir`` at :func:`compilation_cache_dir` (call before the
+    run's first compile). A directory already set for JAX (``JAX_COMPILATION_CACHE_DIR``, a
+    caller's ``jax.config``) wins over ``auto`` and is left as it is. Returns the directory in
+    use, or None."""
+    backend = backend or jax.default_backend()
+    preset = jax.config.jax_compilation_cache_dir
+    if setting == "auto" and preset:
+        return preset
+    path = compilation_cache_dir(setting, backend)
+    if path is None or path == preset:
+        return path
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", COMPILATION_CACHE_MIN_COMPILE_S)
+    # JAX decides once per process, at its first compile, whether the cache is used: a program
+    # compiled before this call (another run in the same process) would leave it off.
+    try:
+        from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+        jax_cache.reset_cache()
+    except (ImportError, AttributeError):   # a JAX without it: the first compile comes after this call anyway
+        pass
+    return path
 
 
 def mesh_shape(mesh_cfg: MeshSection, num_devices: int) -> tuple[int, int, int]:

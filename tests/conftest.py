@@ -37,8 +37,9 @@ import pytest
 from tests.xla_env import with_suite_flags
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# No test reaches the Hub (the CLI no longer forces offline mode; tests/test_hub.py builds caches).
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["TRANSFORMERS_OFFLINE"] = "1"
 
 _SESSION_ENV = "MARFT_JAX_TEST_SESSION_DIR"
 _OWN_SESSION_DIR: str | None = None

@@ -217,6 +217,22 @@ def test_detect_format():
     assert detect_format({"problem": "", "final_answer": ""}) == "math"
     assert detect_format({"problem": "", "answer": "", "unique_id": "x"}) == "math500"
     assert detect_format({"problem": "", "answer": ""}) == "generic"
+    assert detect_format({"problem": "", "solution": "", "level": "", "type": ""}) == "math_boxed"
+
+
+def test_worked_solution_gives_its_last_boxed_answer(tmp_path):
+    """MATH as the Hub serves it (problem, level, type, solution): the gold answer is the
+    solution's last \\boxed{}, brace-balanced; a solution without one is an empty answer."""
+    rows = [{"problem": "p0", "level": "Level 1", "type": "Algebra",
+             "solution": "First $\\boxed{1}$, then $x=\\boxed{\\frac{1}{2}}$."},
+            {"problem": "p1", "level": "Level 2", "type": "Algebra", "solution": "No box here."}]
+    path = tmp_path / "train-00000-of-00001.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    problems = load_problems(path, name="math_train")
+    assert [(p.uid, p.answer, p.meta["format"]) for p in problems] == [("math_train:0", "\\frac{1}{2}", "math_boxed")]
+    assert [p.answer for p in load_problems(path, empty_answer="keep")] == ["\\frac{1}{2}", None]
+    with pytest.raises(DatasetError, match=r"row 1, field 'solution': the worked solution has no \\boxed"):
+        load_problems(path, empty_answer="error")
 
 
 def test_math_task_scores_answer_agent_and_split_is_text_based(tmp_path):

@@ -64,3 +64,26 @@ def test_gradient_through_chunks_matches_full():
         return lp + 0.1 * (-(jnp.exp(lsm) * lsm).sum())
 
     np.testing.assert_allclose(jax.grad(chunked)(hidden), jax.grad(full)(hidden), atol=1e-4)
+
+
+def test_logits_chunk_is_per_backend_large_on_accelerators_and_unchanged_on_cpu(monkeypatch):
+    """The CPU keeps 64 MiB chunks (its results are pinned); GPU/TPU chunks hold 1 GiB of logits
+    (bounded by 1/32 of the device's memory), so the head is read a few times, not ~40."""
+    assert logprobs.logits_chunk_bytes("cpu") == 64 << 20
+    assert logprobs.logits_chunk_bytes("gpu", device_memory_bytes=80 << 30) == 1 << 30
+    assert logprobs.logits_chunk_bytes("tpu", device_memory_bytes=16 << 30) == 512 << 20
+    assert logprobs.logits_chunk_bytes("gpu", device_memory_bytes=None) >= 64 << 20
+    # Qwen2.5's 151,936 vocabulary, 8 rows x 512 action tokens: scan steps = head reads.
+    hidden = jax.ShapeDtypeStruct((8, 512, 64), jnp.bfloat16)
+    head = jax.ShapeDtypeStruct((64, 151936), jnp.bfloat16)
+    targets = jax.ShapeDtypeStruct((8, 512), jnp.int32)
+
+    real = logprobs.logits_chunk_bytes
+
+    def head_reads(backend):
+        monkeypatch.setattr(logprobs, "logits_chunk_bytes", lambda: real(backend, device_memory_bytes=80 << 30))
+        jaxpr = jax.make_jaxpr(lambda h, w, t: logprobs.chunked_logprobs(h, w, t, chunk=512))(hidden, head, targets)
+        return [e.params["length"] for e in jaxpr.jaxpr.eqns if e.primitive.name == "scan"]
+
+    assert head_reads("cpu") == [-(-512 // 13)]      # 13 positions per row and chunk: 40 reads
+    assert head_reads("gpu") == [3]                  # 220 positions per row and chunk

@@ -108,7 +108,7 @@ EQUIVALENCE = [
     ("\\boxed{90}", "90^\\circ", 1),
     ("\\boxed{45^{\\circ}}", "45^\\circ", 1),
     ("\\boxed{50\\%}", "50", 1),
-    ("\\boxed{0.5}", "50\\%", 1),
+    ("\\boxed{0.5}", "50\\%", 0),  # issue 38: a percent gold asks for a percentage; 0.5 reads as 0.5 %
     ("\\boxed{10\\%}", "0.1", 1),
     ("\\boxed{25\\%}", "50\\%", 0),
     # radicals and symbolic expressions
@@ -294,9 +294,12 @@ def test_pathological_power_tower_times_out_then_next_item_is_normal():
 def test_timeout_falls_back_to_numeric_match():
     worker = _worker(slow_verify)
     try:
-        score = grade("\\boxed{3.142857}", _SLOW_GOLD, timeout_s=1.0, worker=worker)
+        score = grade("\\boxed{\\frac{44}{14}}", _SLOW_GOLD, timeout_s=1.0, worker=worker)
         assert score.reward == 1.0
         assert score.info["method"] == "numeric" and score.info["verify_error"] == "timeout"
+        # the gold 22/7 is exact: a rounded value is wrong in the fallback too (issue 38)
+        rounded = grade("\\boxed{3.142857}", _SLOW_GOLD, timeout_s=1.0, worker=worker)
+        assert rounded.reward == 0.0 and rounded.info["method"] == "numeric"
         wrong = grade("\\boxed{3.14}", _SLOW_GOLD, timeout_s=1.0, worker=worker)
         assert wrong.reward == 0.0 and wrong.info["reason"] == "wrong"
     finally:
@@ -306,10 +309,13 @@ def test_timeout_falls_back_to_numeric_match():
 def test_exception_falls_back_to_numeric_then_to_zero_with_reason():
     worker = _worker(raising_verify)
     try:
-        numeric = grade("\\boxed{4.66667}", "\\frac{14}{3}", worker=worker)
+        numeric = grade("\\boxed{\\frac{28}{6}}", "\\frac{14}{3}", worker=worker)
         assert numeric.reward == 1.0
         assert numeric.info["method"] == "numeric"
         assert "sympy blew up" in numeric.info["verify_error"]
+        # closeness only for a decimal gold (issue 38): 4.66667 is not 14/3, but matches gold 4.66667
+        assert grade("\\boxed{4.66667}", "\\frac{14}{3}", worker=worker).reward == 0.0
+        assert grade("\\boxed{\\frac{14}{3}}", "4.66667", worker=worker).reward == 1.0
         wrong_numeric = grade("\\boxed{4.5}", "\\frac{14}{3}", worker=worker)
         assert wrong_numeric.reward == 0.0 and wrong_numeric.info["reason"] == "wrong"
         symbolic = grade("\\boxed{\\sqrt{2}/2}", "\\frac{\\sqrt{2}}{2}", worker=worker)

@@ -175,10 +175,10 @@ def test_notation_grading(output, gold, expected):
         assert score.info["reason"] == "wrong"
 
 
-def test_plain_decimals_keep_the_existing_tolerance():
-    """No notation, no change: math-verify compares after rounding to 6 decimal places."""
+def test_plain_decimals_are_not_an_exact_gold():
+    """A plain decimal keeps its finite value: no rounding makes it 1/3 (issue 38)."""
     assert grade("\\boxed{0.3333}", "\\frac{1}{3}").reward == 0.0
-    assert grade("\\boxed{0.333333}", "\\frac{1}{3}").reward == 1.0
+    assert grade("\\boxed{0.333333}", "\\frac{1}{3}").reward == 0.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,11 +499,13 @@ def test_magnitude_word_is_a_unit(output, gold, expected):
 
 
 def test_plain_decimals_tolerance_matches_the_documented_rounding():
-    """Plain decimals keep math-verify's 6-decimal rounding: 0.3333333 matches 1/3, 0.333 does not."""
-    assert grade("\\boxed{0.3333333}", "\\frac{1}{3}").reward == 1.0
+    """An exact gold needs an exact answer (issue 38); only a decimal gold keeps math-verify's
+    6-decimal rounding: 1/7 matches 0.142857, 0.14285 does not."""
+    assert grade("\\boxed{0.3333333}", "\\frac{1}{3}").reward == 0.0
     assert grade("\\boxed{0.333}", "\\frac{1}{3}").reward == 0.0
-    assert grade("\\boxed{0.142857}", "\\frac{1}{7}").reward == 1.0
-    assert grade("\\boxed{0.14285}", "\\frac{1}{7}").reward == 0.0
+    assert grade("\\boxed{0.142857}", "\\frac{1}{7}").reward == 0.0
+    assert grade("\\boxed{\\frac{1}{7}}", "0.142857").reward == 1.0
+    assert grade("\\boxed{0.14285}", "0.142857").reward == 0.0
 
 
 # ---------------------------------------------------------------------------------------------

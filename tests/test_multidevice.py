@@ -211,6 +211,79 @@ def test_distributed_start_up_plan_reads_config_env_and_clusters():
         plan_initialize(DistSection(), env={"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two"})
 
 
+def test_the_compilation_cache_is_on_for_accelerators_off_on_cpu_and_validated(tmp_path, monkeypatch):
+    """train.compilation_cache_dir=auto reaches jax.config on a (faked) GPU/TPU backend, stays off
+    on the CPU; off / "" disable it; a file is a config error naming the key."""
+    import jax
+
+    from marft_jax.config import load_config
+    from marft_jax.distributed import compilation_cache_dir, enable_compilation_cache
+
+    env = {"HOME": "/home/u"}
+    assert compilation_cache_dir("auto", "gpu", env) == "/home/u/.cache/marft_jax/xla"
+    assert compilation_cache_dir("auto", "tpu", {**env, "XDG_CACHE_HOME": "/c"}) == "/c/marft_jax/xla"
+    assert compilation_cache_dir("auto", "tpu", {**env, "MARFT_JAX_CACHE": "/m"}) == "/m/xla"
+    assert compilation_cache_dir("auto", "cpu", env) is None
+    assert compilation_cache_dir("off", "gpu", env) is None and compilation_cache_dir("", "tpu", env) is None
+    assert compilation_cache_dir("/x/y", "cpu", env) == "/x/y"
+    assert load_config("demo", []).train.compilation_cache_dir == "auto"
+    (tmp_path / "f").write_text("")
+    with pytest.raises(ConfigError, match=r"train\.compilation_cache_dir"):
+        load_config("demo", [f"train.compilation_cache_dir={tmp_path / 'f'}"])
+    assert compilation_cache_dir(load_config("demo", ["train.compilation_cache_dir=off"]).train.compilation_cache_dir,
+                                 "gpu", env) is None       # read as the string "False"
+
+    before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs)
+    try:
+        jax.config.update("jax_compilation_cache_dir", None)
+        monkeypatch.delenv("MARFT_JAX_CACHE", raising=False)
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+        assert enable_compilation_cache("auto", backend="cpu") is None
+        assert jax.config.jax_compilation_cache_dir is None
+        assert enable_compilation_cache("off", backend="gpu") is None and jax.config.jax_compilation_cache_dir is None
+        want = str(tmp_path / "cache" / "marft_jax" / "xla")
+        assert enable_compilation_cache("auto", backend="gpu") == want
+        assert jax.config.jax_compilation_cache_dir == want and (tmp_path / "cache" / "marft_jax" / "xla").is_dir()
+        assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.5
+        assert enable_compilation_cache("auto", backend="tpu") == want       # set already: left as it is
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", before[1])
+        from jax.experimental.compilation_cache import compilation_cache as jax_cache
+
+        jax_cache.reset_cache()
+
+
+def test_a_gce_tpu_vm_slice_without_environment_variables_is_initialized_by_jax_detection():
+    """A GCE TPU VM slice sets no environment variable: JAX finds its peers through the metadata
+    server. The plan asks that detection (faked here) only when nothing else decides, and lets
+    ``jax.distributed.initialize()`` detect coordinator, count and index itself."""
+    from marft_jax.distributed import TpuSlice, detect_cloud_tpu_slice, plan_initialize
+
+    asked = []
+
+    def fake(processes, error=None):
+        def detect():
+            asked.append(processes)
+            return None if processes == "no tpu" else TpuSlice(processes, error)
+        return detect
+
+    p = plan_initialize(DistSection(), env={}, detect_tpu=fake(4))
+    assert (p.initialize, p.coordinator, p.num_processes, p.process_id) == (True, None, None, None)
+    assert "Cloud TPU VM slice of 4 hosts" in p.why
+    assert not plan_initialize(DistSection(), env={}, detect_tpu=fake(1)).initialize          # one v5e-8 host
+    assert not plan_initialize(DistSection(), env={}, detect_tpu=fake("no tpu")).initialize
+    failed = plan_initialize(DistSection(), env={}, detect_tpu=fake(None, "ConnectionError: metadata"))
+    assert not failed.initialize and "dist.initialize=on" in failed.why and "ConnectionError" in failed.why
+    asked.clear()       # an explicit decision never queries the metadata server
+    for dist, env in ((DistSection(initialize="off"), {}), (DistSection(initialize="on"), {}),
+                      (DistSection(), {"JAX_COORDINATOR_ADDRESS": "h:1"}),
+                      (DistSection(), {"TPU_WORKER_HOSTNAMES": "a,b"})):
+        plan_initialize(dist, env=env, detect_tpu=fake(4))
+    assert asked == []
+    assert detect_cloud_tpu_slice() is None        # this CPU machine is no Cloud TPU VM: no request made
+
+
 def test_a_rule_that_cannot_apply_warns_once_or_raises_when_strict():
     import jax
 

@@ -4,14 +4,17 @@ errors name the offending key (or file). Nothing is run: these tests only build 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
+import re
 from pathlib import Path
 
 import pytest
 
 from marft_jax.config import PACKAGED_PRESETS, PRESET_DIR, Config, ConfigError, load_config, to_dict, to_yaml
 from marft_jax.envs.profiles import load_profiles
+from marft_jax.hub import is_repo_id
 from marft_jax.models.registry import NAMED_MODELS
 
 REPO = Path(__file__).resolve().parents[1]
@@ -20,7 +23,16 @@ PAPER = [n for n in PRESETS if n.startswith("paper/")]
 CPU_REPRO = [n for n in PRESETS if n.startswith("cpu_repro/")]
 METHOD_TOKENS = {"marft-a": ("sequential", "action"), "marft-t": ("sequential", "token"),
                  "ippo": ("parallel", "action")}
-TASK_TOKENS = {"math": "math", "gsm8k": "gsm8k", "aime": "aime", "code": "code_jsonl", "humaneval": "humaneval"}
+TASK_TOKENS = {"math": "math", "gsm8k": "gsm8k", "aime": "aime", "humaneval": "humaneval"}
+
+
+@functools.cache
+def _generator():
+    """experiments/make_paper_presets.py as a module (its tables)."""
+    spec = importlib.util.spec_from_file_location("make_paper_presets", REPO / "experiments" / "make_paper_presets.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    return gen
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +61,11 @@ def test_preset_is_consistent(name, configs):
     if is_ippo:
         assert cfg.team.num_agents >= 2
     m = cfg.model.name
-    assert m in NAMED_MODELS or os.path.isabs(m) or m.endswith(".gguf"), m
+    if name.startswith("paper/"):   # a Hub model at a pinned commit, a Hub dataset: nothing outside the repository
+        assert is_repo_id(m) and re.fullmatch(r"[0-9a-f]{40}", cfg.model.revision or ""), (m, cfg.model.revision)
+        assert cfg.task.path is None and cfg.task.eval_path is None
+    else:
+        assert m in NAMED_MODELS or m.endswith(".gguf") or is_repo_id(m), m
     assert profile.kind == ("code" if cfg.task.name in ("humaneval", "code_jsonl") else "math")
 
 
@@ -67,8 +83,7 @@ def test_paper_name_matches_content(name, configs):
     assert cfg.team.profile.split("/", 1)[1] == team
     mode, level = METHOD_TOKENS[method]
     assert (cfg.rollout.mode, cfg.algo.level) == (mode, "token" if g2 else level)  # G2 (AReaL) is token level
-    size = model.removeprefix("qwen2.5-").upper()
-    assert os.path.basename(cfg.model.name) == f"Qwen2.5-{size}-Instruct"
+    assert (cfg.model.name, cfg.model.revision) == _generator().MODELS[model][:2]
     assert cfg.train.eval_temperature == 0.6
     if g2:  # reference section 13, G2
         assert (cfg.optim.policy_lr, cfg.ppo.clip_eps, cfg.ppo.adv_norm, cfg.lora.rank) == (3e-5, 0.4, "none", 32)
@@ -82,19 +97,27 @@ def test_paper_name_matches_content(name, configs):
     assert cfg.rollout.rows % (cfg.ppo.num_minibatches * cfg.ppo.micro_batches) == 0
 
 
-@pytest.mark.parametrize("name, train, test", [
-    ("paper/math-duo-marft-a-qwen2.5-3b", 7496, 500),
-    ("paper/gsm8k-duo-marft-a-qwen2.5-3b", 7473, 1319),
-    ("paper/aime-duo-marft-a-qwen2.5-3b", 7496, 30),
+@pytest.mark.parametrize("name, files, train, test", [
+    ("paper/math-duo-marft-a-qwen2.5-3b", ("math_train.json", "math500.jsonl"), 7496, 500),
+    ("paper/gsm8k-duo-marft-a-qwen2.5-3b", ("gsm8k_train.parquet", "gsm8k_test.json"), 7473, 1319),
+    ("paper/aime-duo-marft-a-qwen2.5-3b", ("math_train.json", "aime2024.json"), 7496, 30),
 ])
-def test_paper_data_paths_load(name, train, test, shared_data, monkeypatch, configs):
-    """The math presets' relative data paths resolve from the repository root (../shared/data)."""
+def test_paper_presets_take_local_data_files(name, files, train, test, shared_data):
+    """task.path / task.eval_path override a preset's Hub dataset with local files of the same sets."""
     from marft_jax.train.build import build_task
 
-    monkeypatch.chdir(REPO)
-    task = build_task(configs[name])
+    cfg = load_config(name, [f"task.path={shared_data / files[0]}", f"task.eval_path={shared_data / files[1]}"])
+    task = build_task(cfg)
     assert (task.split_size("train"), task.split_size("test")) == (train, test)
-    assert configs[name].train.eval_problems == test
+    assert cfg.train.eval_problems == test
+
+
+def test_nothing_points_outside_the_repository():
+    """No preset or package file names the shared data folder or a /models/ placeholder."""
+    files = [p for root in (PRESET_DIR, REPO / "marft_jax") for p in root.rglob("*") if p.is_file()
+             and p.suffix in (".yaml", ".py", ".cc", ".md", ".json")]
+    bad = [str(p.relative_to(REPO)) for p in files if re.search(r"shared/data|/models/", p.read_text())]
+    assert not bad, bad
 
 
 def test_presets_cover_the_grid(configs):
@@ -106,7 +129,7 @@ def test_presets_cover_the_grid(configs):
     assert any(not c.team.profile.endswith("-anonymous") and c.team.num_agents > 1 for c in cfgs)
     sizes = {os.path.basename(c.model.name) for c in cfgs}
     assert {f"Qwen2.5-{s}-Instruct" for s in ("1.5B", "3B", "7B")} <= sizes
-    assert {c.task.name for c in cfgs} >= {"arithmetic", "math", "gsm8k", "aime", "humaneval", "code_jsonl"}
+    assert {c.task.name for c in cfgs} >= {"arithmetic", "math", "gsm8k", "aime", "humaneval"}
 
 
 def test_demo_is_cpu_sized(configs):
@@ -143,10 +166,7 @@ def test_cpu_repro_presets_share_budgets(configs):
 
 
 def test_paper_presets_are_generated():
-    spec = importlib.util.spec_from_file_location("make_paper_presets", REPO / "experiments" / "make_paper_presets.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    expected = gen.expected_files()
+    expected = _generator().expected_files()
     assert sorted(expected) == sorted(PRESET_DIR.glob("paper/*.yaml"))
     stale = [p.name for p, text in expected.items() if p.read_text() != text]
     assert not stale, f"regenerate with `python experiments/make_paper_presets.py`: {stale}"

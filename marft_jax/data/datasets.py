@@ -10,14 +10,16 @@ math500     ``problem``, ``answer``       raw LaTeX, used as given
 gsm8k       ``question``, ``answer``      worked solution; text after ``####``, no ``,``
 gsm8k_final ``problem``, ``final_answer``  pre-extracted GSM8K answer, used as given
 aime        ``problem``, ``final_answer``  used as given
+math_boxed  ``problem``, ``solution``     worked solution; content of its last ``\\boxed{}``
 generic     ``problem``, ``answer``       configurable: ``problem_field``, ``answer_field``,
-                                         ``answer_format`` (``raw`` | ``gsm8k``)
+                                         ``answer_format`` (``raw`` | ``gsm8k`` | ``boxed``)
 ==========  ===========================  ======================================================
 
 ``format="auto"`` picks a schema from the first row's fields. Rows with an empty answer string
-are skipped with a warning by default (``empty_answer=``; MATH train has 4 such rows). Every problem gets
-``uid = f"{file_stem}:{row}"`` (row = 0-based record index) and ``meta`` with the source path,
-row and format. Errors are :class:`DatasetError` (a ``ValueError``) naming file, row and field.
+are skipped with a warning by default (``empty_answer=``; MATH train has 4 such rows; a worked
+solution without a ``\\boxed{}`` counts as empty). Every problem gets ``uid = f"{name}:{row}"``
+(``name`` defaults to the file stem; row = 0-based record index) and ``meta`` with the source
+path, row and format. Errors are :class:`DatasetError` (a ``ValueError``) naming file, row and field.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from marft_jax.envs.math_grading import gsm8k_final_answer
+from marft_jax.envs.math_grading import gsm8k_final_answer, last_boxed
 from marft_jax.envs.task import Problem
 
 logger = logging.getLogger(__name__)
 EMPTY_ANSWER_POLICIES = ("skip", "keep", "error")
+ANSWER_FORMATS = ("raw", "gsm8k", "boxed")
 
 class DatasetError(ValueError):
     """A dataset file is missing, empty, malformed, or lacks a required field."""
@@ -54,7 +57,8 @@ class Schema:
     Attributes:
       problem_field: key of the problem text.
       answer_field: key of the gold answer.
-      answer_format: ``"raw"`` (used as given) or ``"gsm8k"`` (worked solution ending ``#### N``).
+      answer_format: ``"raw"`` (used as given), ``"gsm8k"`` (worked solution ending ``#### N``) or
+        ``"boxed"`` (worked solution; the content of its last ``\\boxed{}``).
     """
 
     problem_field: str
@@ -62,8 +66,8 @@ class Schema:
     answer_format: str = "raw"
 
     def __post_init__(self) -> None:
-        if self.answer_format not in ("raw", "gsm8k"):
-            raise ValueError(f"answer_format must be 'raw' or 'gsm8k', got {self.answer_format!r}")
+        if self.answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {self.answer_format!r}")
 
 
 FORMATS: dict[str, Schema] = {
@@ -72,6 +76,7 @@ FORMATS: dict[str, Schema] = {
     "gsm8k": Schema("question", "answer", "gsm8k"),
     "gsm8k_final": Schema("problem", "final_answer"),
     "aime": Schema("problem", "final_answer"),
+    "math_boxed": Schema("problem", "solution", "boxed"),
     "generic": Schema("problem", "answer"),
 }
 
@@ -93,6 +98,8 @@ def detect_format(row: dict[str, Any]) -> str:
         return "math"
     if {"problem", "answer"} <= keys:
         return "math500" if {"unique_id", "subject"} & keys else "generic"
+    if {"problem", "solution"} <= keys:
+        return "math_boxed"
     raise ValueError(f"no known math schema fits fields {sorted(keys)}; pass format= and field names")
 
 
@@ -161,6 +168,7 @@ def load_problems(
     answer_format: str | None = None,
     empty_answer: str = "skip",
     limit: int | None = None,
+    name: str | None = None,
 ) -> list[Problem]:
     """Load a math dataset file as problems with gold answers.
 
@@ -172,6 +180,7 @@ def load_problems(
         ``"skip"`` it with a warning (uids keep their row numbers), ``"keep"`` it with
         ``answer=None``, or raise (``"error"``). A *missing* answer field is always an error.
       limit: keep only the first ``limit`` rows (after validation of those rows).
+      name: the uid prefix (default: the file's stem).
 
     Returns:
       ``list[Problem]`` in file order; ``answer`` is the gold answer string, ``meta`` has
@@ -212,6 +221,11 @@ def load_problems(
         answer: str | None = _text_field(
             path, row, record, schema.answer_field, allow_empty=empty_answer != "error"
         )
+        if schema.answer_format == "boxed" and answer.strip():
+            answer = last_boxed(answer) or ""
+            if not answer and empty_answer == "error":
+                raise DatasetError(path, "the worked solution has no \\boxed{} answer", row=row,
+                                   field=schema.answer_field)
         if not answer.strip():
             if empty_answer == "skip":
                 skipped.append(row)
@@ -226,7 +240,7 @@ def load_problems(
             answer = answer.strip()
         problems.append(
             Problem(
-                uid=f"{path.stem}:{row}",
+                uid=f"{name or path.stem}:{row}",
                 text=text.strip(),
                 answer=answer,
                 meta={"source": str(path), "row": row, "format": format},

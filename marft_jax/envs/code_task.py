@@ -9,9 +9,13 @@ Two test styles, chosen by ``Problem.meta["style"]``:
   ``meta["entry_point"]`` names the function, ``meta["prefix"]`` (the HumanEval prompt) is put
   before the program so that prompt imports and helpers exist and a body-only answer completes
   the prompt's function; a full definition in the program simply replaces the prompt's stub.
-  The run is ``prefix + program + test + check(entry_point)`` followed by a random marker written
-  to standard output; the test passes iff the run exits 0 and the marker was written (an early
-  ``sys.exit(0)`` in the program does not pass). It counts as one test.
+  ``check()`` runs in a trusted checker process, never in the candidate's: each call of the
+  candidate crosses a pipe as plain data (``marft_jax.envs.functional_test``), and the test
+  passes iff ``check()`` returns normally there. It counts as one test.
+
+The verdict never comes from the candidate: stdio outputs are compared here, functional tests
+are judged by the checker. The dataset files the problems came from (``meta["source"]``) are
+unreadable inside the sandbox where it has a mount namespace (``enforced["hidden"]``).
 
 Reward = fraction of the (at most ``max_tests``) tests passed, or with ``code_reward="binary"``
 1 iff all pass. Each test has its own timeout (``test_timeout_s``) and all of a transcript's
@@ -33,9 +37,9 @@ import os
 import random
 import re
 import time
-import uuid
 from typing import Any, ClassVar, Iterator
 
+from marft_jax.envs.functional_test import run_functional_test
 from marft_jax.envs.sandbox import SandboxConfig, outputs_match, run_program
 from marft_jax.envs.task import Problem, Score, Transcript
 
@@ -56,17 +60,6 @@ def extract_program(text: str) -> str | None:
     return blocks[-1][1] if blocks else None
 
 
-def functional_program(program: str, test: str, entry_point: str, prefix: str,
-                       marker: str) -> str:
-    """The source run for one functional test (see the module docstring)."""
-    future = [ln for ln in program.splitlines() if ln.startswith("from __future__ import")]
-    body = "\n".join(ln for ln in program.splitlines()
-                     if not ln.startswith("from __future__ import"))
-    head = "\n".join(future) + "\n" if future else ""
-    return (f"{head}{prefix}\n{body}\n\n{test}\n\ncheck({entry_point})\n"
-            f"__import__('os').write(1, b'\\n' + {marker.encode()!r} + b'\\n')\n")
-
-
 @dataclasses.dataclass(frozen=True)
 class CodeTask:
     """A :class:`~marft_jax.envs.task.Task` of kind ``"code"``.
@@ -80,6 +73,7 @@ class CodeTask:
       max_tests: at most this many tests per problem (the first ones).
       tol: numeric tolerance of the stdio comparison.
       sandbox: limits of every run (its ``timeout_s`` is replaced by the per-test timeout).
+      _hidden: (derived) the problems' dataset files, unreadable inside every run.
     """
 
     kind: ClassVar[str] = "code"
@@ -93,6 +87,8 @@ class CodeTask:
     max_tests: int = 10
     tol: float = 1e-6
     sandbox: SandboxConfig = SandboxConfig()
+    _hidden: tuple[str, ...] = dataclasses.field(default=(), init=False, repr=False,
+                                                 compare=False)
 
     def __post_init__(self) -> None:
         if self.code_reward not in CODE_REWARDS:
@@ -102,6 +98,9 @@ class CodeTask:
                 raise ValueError(f"{field} must be > 0, got {getattr(self, field)!r}")
         object.__setattr__(self, "train", tuple(self.train))
         object.__setattr__(self, "test", tuple(self.test))
+        sources = {p.meta.get("source") for p in self.train + self.test}
+        object.__setattr__(self, "_hidden", tuple(sorted(
+            os.path.abspath(s) for s in sources if isinstance(s, str) and s)))
 
     def problems(self, split: str, seed: int = 0) -> Iterator[Problem]:
         """The split's problems: ``test`` in file order, ``train`` shuffled by ``seed``."""
@@ -131,6 +130,10 @@ class CodeTask:
                              f"'functional', got {style!r}")
         if not cases:
             raise ValueError(f"problem {problem.uid} has no tests")
+        hide = self._hidden
+        source = problem.meta.get("source")
+        if isinstance(source, str) and source and os.path.abspath(source) not in hide:
+            hide += (os.path.abspath(source),)
         deadline = time.monotonic() + self.budget_s
         results: list[dict[str, Any]] = []
         enforced: dict[str, Any] | None = None
@@ -142,25 +145,22 @@ class CodeTask:
                 continue
             config = self.sandbox.with_timeout(min(self.test_timeout_s, left))
             if style == "stdio":
-                res = run_program(prog, stdin, config)
-                status = res.status
+                res = run_program(prog, stdin, config, hide=hide)
+                status, run_error, elapsed, run_enforced = (
+                    res.status, res.stderr[-300:], res.elapsed_s, res.enforced)
                 if status == "ok" and not outputs_match(res.stdout, expected, self.tol):
                     status = "wrong"
             else:
-                marker = f"__marft_check_passed_{uuid.uuid4().hex}__"
-                source = functional_program(prog, problem.meta["test"],
-                                            problem.meta["entry_point"],
-                                            problem.meta.get("prefix", ""), marker)
-                res = run_program(source, "", config)
-                status = res.status
-                if status == "ok" and marker not in res.stdout.splitlines():
-                    status = "exited_early"
-                elif status == "crash" and "AssertionError" in res.stderr[-2000:]:
-                    status = "wrong"
-            enforced = enforced or res.enforced
+                fres = run_functional_test(prog, problem.meta["test"],
+                                           problem.meta["entry_point"],
+                                           problem.meta.get("prefix", ""), config,
+                                           hide=hide)
+                status, run_error, elapsed, run_enforced = (
+                    fres.status, fres.error or "", fres.elapsed_s, fres.enforced)
+            enforced = enforced or run_enforced
             if status != "ok" and error is None:
-                error = res.stderr[-300:]
-            results.append({"status": status, "elapsed_s": round(res.elapsed_s, 4)})
+                error = run_error
+            results.append({"status": status, "elapsed_s": round(elapsed, 4)})
         passed = sum(r["status"] == "ok" for r in results)
         all_pass = passed == len(results)
         reward = passed / len(results) if self.code_reward == "fraction" else float(all_pass)
@@ -169,7 +169,8 @@ class CodeTask:
             "reason": reason, "extracted": program, "method": style, "passed": passed,
             "total": len(results), "all_pass": all_pass, "tests": results,
             "sandbox": {k: enforced.get(k) for k in
-                        ("uid", "netns", "private_tmp", "kill_scope")} if enforced else {},
+                        ("uid", "netns", "private_tmp", "kill_scope", "hidden")}
+            if enforced else {},
         }
         if error:
             info["error"] = error
@@ -203,9 +204,15 @@ def humaneval_path() -> str:
 
 
 def _read_jsonl(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, object) of every non-blank line; errors name the file and line."""
+    """(line number, object) of every non-blank line (a ``.parquet`` file: (row + 1, row), as
+    the Hub serves HumanEval); errors name the file and line."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"dataset file not found: {path}")
+    if str(path).endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        yield from enumerate(pq.read_table(path).to_pylist(), 1)
+        return
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         for lineno, line in enumerate(f, 1):

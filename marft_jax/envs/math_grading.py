@@ -4,8 +4,13 @@ Reference: ``docs/marft-reference.md`` section 4.
 
 Extraction (:func:`extract_answer`), in order, after Unicode math is spelled out
 (:func:`plain_math_text`: ``−``, ``10⁻³``, ``0.3̅``):
-  1. the content of the last brace-balanced ``\\boxed{...}`` / ``\\fbox{...}``
-     (``\\boxed 5`` without braces takes the next whitespace-delimited token);
+  1. the final box (:func:`final_boxed`): the content of the last brace-balanced ``\\boxed{...}``
+     / ``\\fbox{...}`` (``\\boxed 5`` without braces takes the next whitespace-delimited
+     token; an unclosed one is skipped). An empty last box means no answer, even after an earlier
+     box (the response retracted it). Boxes joined to the last one by a connective only, in
+     one paragraph ("x = \\boxed{2} or x = \\boxed{-5}", "$\\boxed{3}$ and $\\boxed{4}$",
+     "\\boxed{2}, \\boxed{-5}") state one answer: their contents joined, "2, -5" (a set for
+     math-verify); after any other word ("then corrected:") the later box replaces the earlier;
   2. the answer stated after the last "answer is" / "answer:" marker ("The answer is", "final
      answer:", "My answer is", "**Answer:**"), to the end of the sentence (:func:`stated_answer`):
      after a conclusion word ("is therefore 12"), cut before a justification ("12 because 4
@@ -28,18 +33,33 @@ Equivalence (:func:`grade`), first decisive step wins; ``info["method"]`` names 
                     ``math_verify.verify``, run in a killable worker process with a hard
                     per-item time limit (:class:`VerifyWorker`);
   ``"numeric"``     only when math-verify timed out, crashed or could not parse: both sides
-                    parse as numbers and agree within relative tolerance 1e-4.
+                    parse as numbers and agree: exactly for an exact gold, within relative
+                    tolerance 1e-4 for a decimal gold.
 When math-verify fails and the numeric fallback does not apply, the reward is 0 and
 ``info["reason"]`` is ``"timeout"`` / ``"verify_error"`` (``info["method"] == "fallback"``).
+
+What counts as equal (issue 38, as a careful human MATH grader decides):
+  * an exact gold (no decimal number in it: integers, fractions, radicals, ``\\pi``, ``e``,
+    expressions) needs an exactly equal answer: a decimal in the response is the exact fraction
+    it writes (``0.5`` = 1/2 matches, ``0.3333333333`` does not match 1/3, nor ``2.7182818`` nor
+    ``(1+1/1000)^{1000}`` e). Only a decimal gold (``0.25``, ``3.14``) allows a close value:
+    both sides agree when rounded to 6 decimal places (math-verify's rule; relative 1e-4 in the
+    numeric fallback). See :func:`math_verify_equal` and :func:`is_decimal_gold`.
+  * a percent gold (``25\\%``) asks for a percentage: a response without the sign is read in
+    percent (``25`` matches, ``0.25`` does not); see :func:`percent_gold`.
+  * an inequality and an interval are the same answer when they denote the same set of reals
+    (``x > 2`` = ``(2, \\infty)``, ``x \\le -1 \\text{ or } x > 2`` =
+    ``(-\\infty, -1] \\cup (2, \\infty)``); see :func:`_inequality_set`.
+  * a plain-text mixed number is its sum: ``2 1/2`` = 5/2 (:func:`rewrite_mixed_numbers`).
 
 Before comparing, both sides written in a plain-text number notation are rewritten to their
 exact value (:func:`rewrite_notation`; rules in :func:`notation_value`): scientific notation
 (``1.5e3``, ``3.2E+05``, ``1.5 x 10^3``, ``3.2*10**5``, ``1.5 \\times 10^{3}``, ``1.5·10⁻³``)
 and repeating decimals (``0.(3)``, ``1.2(34)``, ``0.1\\overline{6}``,
 ``0.\\dot{3}``, ``0.3̅``, ``0.3 repeating``, ``0.1 with 6 repeating``, and ``0.333...`` only when
-a digit block is visibly repeated before the ellipsis). Plain decimals are never read as repeating:
-``0.33`` and ``0.3333`` differ from 1/3 (math-verify rounds to 6 decimal places, so
-``0.333333`` already matched and still does).
+a digit block is visibly repeated before the ellipsis), and mixed numbers (``2 1/2``,
+``2\\frac{1}{2}``). Plain decimals are never read as repeating: ``0.33``, ``0.3333`` and
+``0.333333`` differ from 1/3.
 
 Gold answers are used as given (never last-number extracted: ``\\frac{14}{3}`` stays 14/3);
 GSM8K worked solutions go through :func:`gsm8k_final_answer` first.
@@ -188,8 +208,12 @@ _NOTATION_NUMBER = (
 # Not inside a word or after a closing bracket, and not an exponent or subscript ("cm^{3}", "x^2",
 # "a_{1}"): those are never the answer alone.
 _NOT_AFTER = r"(?<![\w)\]}.^])(?<!\^\{)(?<!_\{)(?<!\^\()"
+# A plain-text mixed number, "2 1/2" (= 5/2; rewritten by rewrite_mixed_numbers): whole part,
+# spaces (not a newline), a fraction; not inside a word, an exponent or a longer fraction.
+_MIXED = r"\d+[ \t]+\d+/\d+(?![\w/^(]|\.\d)"
 _NUMBER_RE = re.compile(
     rf"{_NOT_AFTER}(?:{_NOTATION_NUMBER})"
+    rf"|{_NOT_AFTER}-?{_MIXED}"
     rf"|{_NOT_AFTER}-?\d+(?:,\d{{3}})*(?:\.\d+)?(?:/\d+)?|{_NOT_AFTER}-?\.\d+",
     re.IGNORECASE,
 )
@@ -230,26 +254,91 @@ def _brace_pairs(text: str) -> dict[int, int]:
     return pairs
 
 
-def last_boxed(text: str) -> str | None:
-    """Content of the last well-formed ``\\boxed``/``\\fbox`` in ``text`` (stripped), or None.
+def _boxes(text: str) -> list[tuple[int, int, str]]:
+    """``(start, end, content)`` of each well-formed ``\\boxed``/``\\fbox`` in text order.
 
-    A box left unclosed (e.g. a truncated response) is skipped in favour of an earlier one.
-    Linear in ``text`` (braces are matched once for all boxes).
+    ``content`` is stripped and may be empty (``\\boxed{}``); a box left unclosed (e.g. a
+    truncated response) is not listed. ``\\boxed 5`` without braces takes the next
+    whitespace-delimited token. Linear in ``text`` (braces are matched once for all boxes).
     """
     pairs: dict[int, int] | None = None
-    for match in reversed(list(_BOX_RE.finditer(text))):
+    boxes = []
+    for match in _BOX_RE.finditer(text):
         i = match.end()
         while i < len(text) and text[i] in " \t":
             i += 1
         if i < len(text) and text[i] == "{":
             pairs = _brace_pairs(text) if pairs is None else pairs
-            content = text[i + 1 : pairs[i]] if i in pairs else None
+            if i in pairs:
+                boxes.append((match.start(), pairs[i] + 1, text[i + 1 : pairs[i]].strip()))
         else:  # "\boxed 5": the next whitespace-delimited token
             token = re.compile(r"[^\s$]+").match(text, i)
-            content = token.group(0).rstrip(".,;") if token else None
-        if content is not None and content.strip():
-            return content.strip()
+            if token:
+                boxes.append((match.start(), token.end(), token.group(0).rstrip(".,;").strip()))
+    return boxes
+
+
+def last_boxed(text: str) -> str | None:
+    """Content of the last well-formed, non-empty ``\\boxed``/``\\fbox`` in ``text`` (stripped),
+    or None. Gold solutions are read with it; responses with :func:`final_boxed`.
+
+    A box left unclosed (e.g. a truncated response) is skipped in favour of an earlier one.
+    """
+    for _, _, content in reversed(_boxes(text)):
+        if content:
+            return content
     return None
+
+
+# What may stand between two boxes that state one answer together: delimiters, then a
+# connective (",", ";", "or", "and", "\text{ or }", "\lor", a LaTeX line break "\\\\"), then
+# optionally the next variable ("x =", "x_2 =", "y &="): "x = \boxed{2} or x = \boxed{-5}",
+# "$\boxed{2}$ and $\boxed{-5}$", "\boxed{2}, \boxed{-5}". Any other word ("then corrected:",
+# "was wrong; correct is", "or rather", "i.e.") makes the later box a replacement.
+_BOX_DELIM = r"(?:\s|\$|\\[()\[\]]|\\[,;:! ]|\\q?quad(?![A-Za-z])|&)"
+_BOX_CONNECTIVE = (
+    r"(?:[,;]|\\\\|\b(?:or|and)\b|\\(?:text|mbox|textrm|mathrm)\s*\{\s*(?:,|or|and)?\s*\}"
+    r"|\\(?:lor|vee|land|wedge)(?![A-Za-z]))"
+)
+_BOX_VARIABLE = r"(?:[A-Za-z](?:_\{?\w+\}?)?\s*&?\s*=)"
+_BOX_GAP_RE = re.compile(
+    rf"{_BOX_DELIM}*(?:{_BOX_CONNECTIVE}{_BOX_DELIM}*)+(?:{_BOX_VARIABLE}{_BOX_DELIM}*)?", re.IGNORECASE
+)
+_MAX_BOX_GAP = 60
+_PARAGRAPH_BREAK_RE = re.compile(r"\n[ \t]*\n")
+
+
+def final_boxed(text: str) -> str | None:
+    """The final boxed answer of a response, or None if it has no well-formed box.
+
+    The last well-formed box is the final answer, even when it is empty: ``""`` then (a response
+    that retracts its box and ends on ``\\boxed{}`` states no answer). Boxes joined to it by a
+    connective only (:data:`_BOX_GAP_RE`: ``"x = \\boxed{2} or x = \\boxed{-5}"``,
+    ``"\\boxed{2}, \\boxed{-5}"``) state it together: their non-empty contents in text order,
+    repeats dropped, joined by ``", "`` (``"2, -5"``), which math-verify reads as a set. A box
+    after other words replaces the earlier one (``"\\boxed{1}, then corrected: \\boxed{2}"`` -> ``"2"``).
+    """
+    boxes = _boxes(text)
+    if not boxes:
+        return None
+    if not normalize_answer(boxes[-1][2]):  # "\boxed{}", "\boxed{ }", "\boxed{\text{}}"
+        return ""
+    group = [boxes[-1]]  # last first
+    for box in reversed(boxes[:-1]):
+        start, end = box[1], group[-1][0]
+        if not 0 <= end - start <= _MAX_BOX_GAP or not _BOX_GAP_RE.fullmatch(text, start, end):
+            break
+        if _PARAGRAPH_BREAK_RE.search(text, start, end):
+            break  # the boxes of one answer stand in one paragraph
+        group.append(box)
+    contents: list[str] = []
+    seen: set[str] = set()
+    for _, _, content in reversed(group):
+        key = normalize_answer(content)
+        if key and key not in seen:
+            seen.add(key)
+            contents.append(content)
+    return ", ".join(contents)
 
 
 # How many "answer is" markers are tried, last first, when the later ones state nothing
@@ -475,12 +564,15 @@ def extract_answer(text: str, *, last_number_fallback: bool = True) -> tuple[str
     """Read the final answer from a model response.
 
     Returns:
-      ``(answer, source)``: ``source`` is ``"boxed"``, ``"answer_is"``, ``"last_number"`` or
-      ``"none"`` (then ``answer`` is None). Unicode math is first spelled out
+      ``(answer, source)``: ``source`` is ``"boxed"``, ``"answer_is"``, ``"last_number"``,
+      ``"empty_box"`` (the final box is empty: no answer, see :func:`final_boxed`) or ``"none"``
+      (for those two ``answer`` is None). Unicode math is first spelled out
       (:func:`plain_math_text`).
     """
     text = plain_math_text(text)
-    boxed = last_boxed(text)
+    boxed = final_boxed(text)
+    if boxed == "":
+        return None, "empty_box"
     if boxed is not None:
         return boxed, "boxed"
     stated = _answer_is(text)
@@ -724,6 +816,8 @@ def notation_value(answer: str) -> fractions.Fraction | None:
     (``0.3 repeating`` = 1/3, ``0.16 repeating`` = 16/99). A named block (``0.1 with 6
     repeating``, ``0.16 with the 6 repeating``, ``0.1666 (6 repeating)``) is the repetend: the
     decimals end with one copy of it or are followed by it (all three are 1/6).
+    Mixed numbers (:func:`_mixed_value`): ``2 1/2`` and ``2\\frac{1}{2}`` are 5/2, ``-2 1/2`` is
+    -5/2 (a proper fraction after the whole part only: ``2 3/2`` is not one).
     Plain decimals (``0.33``, ``0.3333``) are not notations: they keep their finite value.
     Unit words after the number are dropped (``1.2e5 meters``, ``3 x 10^8 m/s``; a single letter
     is a variable, as in :func:`strip_units`).
@@ -744,7 +838,48 @@ def notation_value(answer: str) -> fractions.Fraction | None:
 
 def _notation_value(s: str) -> fractions.Fraction | None:
     value = _scientific_value(s)
-    return value if value is not None else _repeating_value(s)
+    if value is None:
+        value = _repeating_value(s)
+    return value if value is not None else _mixed_value(s)
+
+
+_MIXED_RE = re.compile(
+    r"(?<![\w.^_})\]/\\])(?P<whole>\d+)[ \t]+(?P<num>\d+)/(?P<den>\d+)(?![\w/^(]|\.\d)"
+)
+_MIXED_WHOLE_RE = re.compile(
+    r"(?P<sign>[-+]?)(?P<whole>\d+)(?:[ \t]+(?P<num>\d+)/(?P<den>\d+)"
+    r"|\s*\\[dt]?frac\s*\{\s*(?P<num2>\d+)\s*\}\s*\{\s*(?P<den2>\d+)\s*\})"
+)
+
+
+def _mixed_parts(whole: str, num: str, den: str) -> fractions.Fraction | None:
+    """``whole + num/den`` when ``num/den`` is a proper fraction (``0 < num < den``), else None:
+    ``2 3/2`` or ``2 0/5`` is not a mixed number."""
+    if max(len(whole), len(num), len(den)) > MAX_NOTATION_DIGITS or not 0 < int(num) < int(den):
+        return None
+    return int(whole) + fractions.Fraction(int(num), int(den))
+
+
+def _mixed_value(s: str) -> fractions.Fraction | None:
+    """``2 1/2``, ``-2 1/2``, ``2\\frac{1}{2}`` as an exact Fraction (5/2, -5/2), else None."""
+    m = _MIXED_WHOLE_RE.fullmatch(s)
+    if not m:
+        return None
+    value = _mixed_parts(m["whole"], m["num"] or m["num2"], m["den"] or m["den2"])
+    return -value if value is not None and m["sign"] == "-" else value
+
+
+def rewrite_mixed_numbers(answer: str) -> str:
+    """Each plain-text mixed number in ``answer`` as an exact, braced ``\\frac``: ``"x = 2 1/2"``
+    -> ``"x = {\\frac{5}{2}}"`` (math-verify reads ``2 1/2`` as a product). Only a proper fraction
+    after the whole part (``2 3/2`` stays); never across an operator (``2 \\cdot 1/2``,
+    ``2 * 1/2``) or after an exponent, subscript or closing bracket."""
+
+    def exact(m: re.Match) -> str:
+        value = _mixed_parts(m["whole"], m["num"], m["den"])
+        return m.group(0) if value is None else "{" + fraction_latex(value) + "}"
+
+    return _MIXED_RE.sub(exact, answer)
 
 
 def _unit_word(word: str) -> bool:
@@ -807,16 +942,158 @@ def numeric_equal(a: str, b: str, rel_tol: float = NUMERIC_REL_TOL) -> bool | No
 def math_verify_equal(gold: str, pred: str) -> bool | None:
     """math-verify equivalence of two extracted answers; None if either side does not parse.
 
+    Two rules on top of math-verify's own:
+      * an exact gold (no decimal number in it: integers, fractions, radicals, ``\\pi``, ``e``,
+        expressions) needs an exactly equal answer: each decimal of the response is read as the
+        exact fraction it writes (``0.5`` = 1/2, ``0.3333333333`` = 3333333333/10^10), so
+        math-verify's 6-decimal rounding (which only applies when a float is present) never
+        accepts a rounded value; a decimal gold keeps that rounding (``0.142857`` matches 1/7);
+      * an inequality answer and an interval answer are compared as solution sets
+        (:func:`_inequality_set`: ``x > 2`` = ``(2, \\infty)``, ``1 < x < 3`` = ``(1, 3)``,
+        ``x \\le -1 \\text{ or } x > 2`` = ``(-\\infty, -1] \\cup (2, \\infty)``).
+
     Runs math-verify's own timeouts off (they use SIGALRM); the caller enforces the limit by
     running this in :class:`VerifyWorker`. Exceptions propagate.
     """
-    from math_verify import parse, verify  # local: sympy is heavy and only the worker needs it
+    from math_verify import verify  # local: sympy is heavy and only the worker needs it
 
-    gold_parsed = parse(f"$\\boxed{{{gold}}}$", parsing_timeout=None, raise_on_error=True)
-    pred_parsed = parse(f"$\\boxed{{{pred}}}$", parsing_timeout=None, raise_on_error=True)
+    gold_parsed, pred_parsed = _mv_parse(gold), _mv_parse(pred)
     if not gold_parsed or not pred_parsed:
         return None
+    exact = not any(_has_float(g) for g in gold_parsed)
+    if exact:
+        if _numerically_apart(gold_parsed, pred_parsed):
+            return False  # no exact arithmetic needed: (1.0000001)^{10000000} is not e
+        pred_parsed = [_exact_decimals(p) for p in pred_parsed]
+    as_sets = _solution_sets_equal(gold, pred, gold_parsed, pred_parsed, exact)
+    if as_sets is not None:
+        return as_sets
     return bool(verify(gold_parsed, pred_parsed, timeout_seconds=None, raise_on_error=True))
+
+
+def _mv_parse(answer: str) -> list:
+    from math_verify import parse
+
+    return parse(f"$\\boxed{{{answer}}}$", parsing_timeout=None, raise_on_error=True)
+
+
+def _has_float(expr: Any) -> bool:
+    from sympy import Basic, Float, MatrixBase
+
+    if isinstance(expr, MatrixBase):
+        return any(_has_float(e) for e in expr)
+    return isinstance(expr, Basic) and bool(expr.atoms(Float))
+
+
+def _numerically_apart(gold_parsed: list, pred_parsed: list) -> bool:
+    """Whether two parsed numbers (no variables, no percent) differ by more than 1e-12 relative
+    at 30 digits, so they cannot be exactly equal; False when that cannot be told cheaply."""
+    from sympy import Basic, UnevaluatedExpr
+
+    gold = next((e for e in gold_parsed if isinstance(e, Basic)), None)
+    pred = next((e for e in pred_parsed if isinstance(e, Basic)), None)
+    if not (getattr(gold, "is_number", False) and getattr(pred, "is_number", False)):
+        return False
+    if gold.has(UnevaluatedExpr) or pred.has(UnevaluatedExpr):  # "25\%" is read by math-verify
+        return False
+    try:
+        a, b = complex(gold.evalf(30)), complex(pred.evalf(30))
+    except (TypeError, ValueError, OverflowError, ArithmeticError):
+        return False
+    return abs(a - b) > 1e-12 * max(abs(a), abs(b), 1.0)
+
+
+def _exact_decimals(expr: Any) -> Any:
+    """``expr`` with each float replaced by the exact rational of its decimal digits (a parsed
+    ``0.3333333333`` is ``3333333333/10^10``). The order of latex2sympy's sets and conjunctions
+    (``_unsorted_args``, used to compare with tuples) is kept."""
+    from sympy import Basic, Float, MatrixBase, Rational
+
+    if isinstance(expr, MatrixBase):
+        return expr.applyfunc(_exact_decimals)
+    if not isinstance(expr, Basic) or not expr.atoms(Float):
+        return expr
+    if isinstance(expr, Float):
+        return Rational(str(expr))
+    args = getattr(expr, "_unsorted_args", None) or expr.args
+    return expr.func(*[_exact_decimals(a) for a in args])
+
+
+# Relations and the connectives between them, in an inequality answer.
+_RELATION_RE = re.compile(r"[<>\u2264\u2265\u2260]|\\(?:[lg]eq?|[lg]eqslant|[lg]t|neq?)(?![A-Za-z])")
+_OR_RE = re.compile(
+    r"\\(?:text|mbox|textrm|mathrm)\s*\{\s*or\s*\}|\bor\b|\\(?:lor|vee)(?![A-Za-z])", re.IGNORECASE
+)
+_AND_RE = re.compile(
+    r"\\(?:text|mbox|textrm|mathrm)\s*\{\s*and\s*\}|\band\b|\\(?:land|wedge)(?![A-Za-z])", re.IGNORECASE
+)
+_SPACING_RE = re.compile(r"\\q?quad(?![A-Za-z])|\\[,;:! ]|\\\(|\\\)|\$")
+
+
+def _inequality_set(answer: str, exact: bool) -> Any:
+    """The solution set of an inequality answer in one variable, or None.
+
+    ``x > 2``, ``2 < x``, ``x \\geq 2``, ``1 < x < 3``, ``x \\neq 2``, parts joined by ``or``
+    (union: ``x \\le -1 \\text{ or } x > 2``) and ``and`` (intersection); every part a relation
+    (or a chain of them) in the same single variable. A comma between parts is ambiguous (it
+    could mean either): None, as for anything else that is not such an answer.
+    """
+    from sympy import Basic, Eq, Intersection, Set, Union
+    from sympy.core.relational import Relational
+
+    text = answer.replace("\u2264", "\\le ").replace("\u2265", "\\ge ").replace("\u2260", "\\ne ")
+    text = _SPACING_RE.sub(" ", text)
+    if not _RELATION_RE.search(text) or "," in text:
+        return None
+    variable = None
+    union = []
+    for or_part in _OR_RE.split(text):
+        sets = []
+        for part in _AND_RE.split(or_part):
+            part = part.strip().rstrip(".").strip()
+            parsed = [e for e in _mv_parse(part) if isinstance(e, Basic)] if part else []
+            if not parsed:
+                return None
+            relation = _exact_decimals(parsed[0]) if exact else parsed[0]
+            relations = getattr(relation, "_unsorted_args", None) or [relation]
+            if not all(isinstance(r, Relational) for r in relations):
+                return None
+            symbols = relation.free_symbols
+            if len(symbols) != 1 or (variable is not None and symbols != variable):
+                return None
+            variable = symbols
+            if isinstance(relation, Eq) and isinstance(relation.rhs, Set):
+                return None  # "x \in (2, \infty)": math-verify reads it
+            sets.append(relation.as_set())
+        union.append(Intersection(*sets) if len(sets) > 1 else sets[0])
+    return Union(*union) if len(union) > 1 else union[0]
+
+
+def _solution_sets_equal(
+    gold: str, pred: str, gold_parsed: list, pred_parsed: list, exact: bool
+) -> bool | None:
+    """Whether an inequality answer and an interval answer (either side the gold) denote the same
+    set of reals; None when the two are not one of each (math-verify decides)."""
+    from sympy import Basic, FiniteSet, Set
+
+    def interval(parsed: list) -> Any:
+        first = next((e for e in parsed if isinstance(e, Basic)), None)
+        return first if isinstance(first, Set) and not isinstance(first, FiniteSet) else None
+
+    gold_interval, pred_interval = interval(gold_parsed), interval(pred_parsed)
+    if (gold_interval is None) == (pred_interval is None):
+        return None
+    if gold_interval is not None:
+        other = _inequality_set(pred, exact)
+        left, right = gold_interval, other
+    else:
+        other = _inequality_set(gold, False)
+        left, right = other, pred_interval
+    if other is None:
+        return None
+    if left == right:
+        return True
+    return left.symmetric_difference(right).is_empty is True
 
 
 def _resolve(spec: str):
@@ -1020,6 +1297,32 @@ def _integer_key(digits: str) -> str:
     return magnitude if magnitude == "0" else sign + magnitude
 
 
+# A decimal number in a gold answer ("0.25", "3.14", ".5", "12.5\\%"): closeness is allowed only then.
+_DECIMAL_RE = re.compile(r"\d\.\d|(?<![\w.])\.\d")
+_PERCENT_END_RE = re.compile(r"\s*\\?%\s*\.?\s*$")
+
+
+def is_decimal_gold(gold: str) -> bool:
+    """Whether the gold answer is written with a decimal number (after :func:`rewrite_notation`:
+    ``1.5e3`` and ``0.(3)`` are exact). Only such a gold allows a close value; every other gold
+    (integers, fractions, radicals, ``\\pi``, ``e``, expressions) needs an exactly equal answer."""
+    return _DECIMAL_RE.search(gold) is not None
+
+
+def percent_gold(gold: str, pred: str) -> str:
+    """The gold a response is compared with when the gold is a percentage.
+
+    A gold ``p\\%`` asks for a percentage: a response without a percent sign is read in percent,
+    so it is compared with ``p`` (``25`` matches ``25\\%``, ``0.25`` and ``\\frac14`` do not, as a
+    MATH grader reads them: 0.25 %). A response with the sign is compared with the gold as written
+    (math-verify: ``25\\%`` = ``25\\%``); a response ``p\\%`` for a gold without one keeps the
+    existing rule (``50\\%`` matches ``50`` and ``0.5``: the sign states the unit).
+    """
+    if "%" in pred or not _PERCENT_END_RE.search(gold):
+        return gold
+    return _PERCENT_END_RE.sub("", gold)
+
+
 def answers_equivalent(
     pred: str,
     gold: str,
@@ -1035,6 +1338,8 @@ def answers_equivalent(
     """
     pred, gold = plain_math_text(pred), plain_math_text(gold)
     pred, gold = rewrite_notation(pred), rewrite_notation(gold)
+    pred, gold = rewrite_mixed_numbers(pred), rewrite_mixed_numbers(gold)
+    gold = percent_gold(gold, pred)
     norm_pred, norm_gold = normalize_answer(pred), normalize_answer(gold)
     if norm_pred == norm_gold:
         return True, {"method": "exact"}
@@ -1050,7 +1355,7 @@ def answers_equivalent(
         error = f"error: {exc}"
     if error is None:
         return bool(equal), {"method": "math_verify"}
-    numeric = numeric_equal(pred, gold)
+    numeric = numeric_equal(pred, gold, NUMERIC_REL_TOL if is_decimal_gold(gold) else 0.0)
     if numeric is not None:
         return numeric, {"method": "numeric", "verify_error": error}
     return False, {"method": "fallback", "verify_error": error}

@@ -2,7 +2,7 @@
 
 :func:`run_program` runs one program (source text) with one standard input and returns a
 :class:`SandboxResult`: a status (``ok``, ``timeout``, ``memory``, ``file_limit``,
-``output_limit``, ``crash``), the captured output, the exit code, the wall time and
+``output_limit``, ``crash``, or ``stopped`` by the caller), the captured output, the exit code, the wall time and
 ``enforced``, a dict saying which protections were actually active for that run.
 :func:`outputs_match` compares a program's standard output with the expected one (line by
 line, trailing whitespace ignored, numeric tokens equal within 1e-6).
@@ -64,9 +64,13 @@ and friends are private tmpfs; otherwise the only disk limit is RLIMIT_FSIZE per
 ``sys.executable`` is used if it is, otherwise a system ``python3`` (``enforced["python"]``
 names the one used). Processes are recognised by /proc, so descendants are found on Linux only.
 
-A functional-test pass needs a marker printed after the tests ran, which guards against
-programs that exit early with status 0 but not against one that deliberately reads the
-marker from its own source (see ``marft_jax.envs.code_task``).
+``run_program(..., hide=paths)`` makes files or directories read as empty inside the run (an
+empty root-owned file bound over a file, an empty read-only tmpfs over a directory) wherever
+there is a mount namespace (root, or userns); the code task hides its dataset files so that
+a program cannot look up the answers. ``pass_fds`` and ``stop_fd`` let a trusted process talk
+to the program over pipes and end the run once it has its verdict: functional tests run
+``check()`` outside the program (``marft_jax.envs.functional_test``), so no verdict is ever
+read from the program's own output.
 """
 
 from __future__ import annotations
@@ -91,7 +95,7 @@ from typing import Any
 _IS_POSIX = os.name == "posix"
 _IS_LINUX = sys.platform.startswith("linux")
 
-STATUSES = ("ok", "timeout", "memory", "file_limit", "output_limit", "crash")
+STATUSES = ("ok", "timeout", "memory", "file_limit", "output_limit", "crash", "stopped")
 
 
 class SandboxError(RuntimeError):
@@ -156,7 +160,8 @@ class SandboxResult:
     Attributes:
       status: ``ok`` (exit 0), ``timeout`` (wall or CPU limit), ``memory`` (MemoryError or
         address-space limit), ``file_limit`` (RLIMIT_FSIZE), ``output_limit`` (captured output
-        over the cap), ``crash`` (any other non-zero exit or signal).
+        over the cap), ``crash`` (any other non-zero exit or signal), ``stopped`` (killed
+        because the caller's ``stop_fd`` became readable).
       stdout, stderr: captured text (utf-8, undecodable bytes replaced), at most the cap.
       returncode: exit code, negative for a signal; ``None`` if unknown.
       elapsed_s: wall time from start to exit (or kill).
@@ -267,9 +272,11 @@ elif cfg["userns"]:
         rep["userns"] = rep["ipcns"] = mntns = True
         rep["netns"] = bool(cfg["netns"])
 mounted = []
+private_root = False
 if mntns:
     # MS_REC | MS_PRIVATE on /: nothing mounted below can propagate to the host.
-    if libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) == 0:
+    private_root = libc.mount(b"none", b"/", None, 0x4000 | 0x40000, None) == 0
+    if private_root:
         for path in cfg["tmpfs"]:
             if not os.path.isdir(path) or os.path.islink(path):
                 continue
@@ -291,6 +298,27 @@ if "/tmp" in mounted:
         os.chown(workdir, uid, gid)
     os.chdir(workdir)
 rep["workdir"] = workdir
+hidden = []
+if private_root and cfg["hide"]:
+    # Hidden files read as empty (an empty root-owned file bound over them), hidden
+    # directories as an empty read-only tmpfs; only in this run's mount namespace.
+    empty = b"/dev/null"
+    if "/tmp" in mounted:
+        empty = b"/tmp/.marft_hidden"
+        with open(empty, "wb"):
+            pass
+        os.chmod(empty, 0o444)
+    for path in cfg["hide"]:
+        if os.path.isdir(path):
+            ok = libc.mount(b"tmpfs", path.encode(), b"tmpfs", 1 | 2 | 4 | 8,
+                            b"size=4k,nr_inodes=8,mode=555") == 0
+        elif os.path.exists(path):
+            ok = libc.mount(empty, path.encode(), None, 4096, None) == 0   # MS_BIND
+        else:
+            ok = False
+        if ok:
+            hidden.append(path)
+rep["hidden"] = hidden
 try:
     import resource
     for name, (soft, hard) in cfg["rlimits"].items():
@@ -592,7 +620,32 @@ def _rlimits(config: SandboxConfig, uid: int | None) -> dict[str, tuple[int, int
     return limits
 
 
-def _run(rt: _Runtime, program: str, stdin: str, config: SandboxConfig) -> SandboxResult:
+@dataclasses.dataclass
+class _Channel:
+    """What a caller shares with one run: ``pass_fds`` stay open in the program under the same
+    numbers, the run ends early (status ``stopped``) once ``stop_fd`` is readable or at EOF,
+    and the paths in ``hide`` read as empty inside the run."""
+
+    pass_fds: tuple[int, ...] = ()
+    stop_fd: int | None = None
+    hide: tuple[str, ...] = ()
+    fds_closed: bool = False
+
+    def close_fds(self) -> None:
+        """Close the caller's copies of ``pass_fds`` once (a second close could hit a reused
+        descriptor number)."""
+        if not self.fds_closed:
+            self.fds_closed = True
+            for fd in self.pass_fds:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+
+
+def _run(rt: _Runtime, program: str, stdin: str, config: SandboxConfig,
+         channel: _Channel | None = None) -> SandboxResult:
+    channel = channel or _Channel()
     token = uuid.uuid4().hex
     slot = _UidSlot(rt.uid_pool) if rt.uid_pool else None
     uid = slot.uid if slot else None
@@ -612,7 +665,7 @@ def _run(rt: _Runtime, program: str, stdin: str, config: SandboxConfig) -> Sandb
         if uid is not None:
             os.chown(workdir, uid, uid)
             _kill_leftovers(None, uid, token.encode())  # from a parent that died mid-run
-        return _spawn_and_wait(rt, uid, main, workdir, stdin_path, token, config)
+        return _spawn_and_wait(rt, uid, main, workdir, stdin_path, token, config, channel)
     finally:
         if slot is not None:
             slot.release()
@@ -620,7 +673,7 @@ def _run(rt: _Runtime, program: str, stdin: str, config: SandboxConfig) -> Sandb
 
 
 def _spawn_and_wait(rt: _Runtime, uid: int | None, main: str, workdir: str, stdin_path: str,
-                    token: str, config: SandboxConfig) -> SandboxResult:
+                    token: str, config: SandboxConfig, channel: _Channel) -> SandboxResult:
     python = rt.python
     env = _clean_env(token, workdir)
     enforced: dict[str, Any] = {
@@ -639,10 +692,11 @@ def _spawn_and_wait(rt: _Runtime, uid: int | None, main: str, workdir: str, stdi
             "python": python, "flags": ["-s"], "uid": uid, "gid": uid,
             "netns": config.isolate_network, "root": _is_root(), "userns": rt.userns,
             "tmpfs": list(_TMPFS_PATHS), "disk_bytes": config.disk_bytes,
-            "rlimits": _rlimits(config, uid),
+            "rlimits": _rlimits(config, uid), "hide": list(channel.hide),
         }
         argv = [sys.executable, "-I", "-S", "-c", _BOOTSTRAP, json.dumps(cfg)]
-        kwargs: dict[str, Any] = {"start_new_session": True, "pass_fds": (report_w,)}
+        kwargs: dict[str, Any] = {"start_new_session": True,
+                                  "pass_fds": (report_w, *channel.pass_fds)}
     else:
         argv = [python, "-s", main]
         kwargs = {}
@@ -657,7 +711,8 @@ def _spawn_and_wait(rt: _Runtime, uid: int | None, main: str, workdir: str, stdi
         finally:
             if report_w is not None:
                 os.close(report_w)
-    out, err, timed_out, over_cap = _collect(proc, start, config)
+            channel.close_fds()      # the program holds them now: EOF reaches the peer with it
+    out, err, timed_out, over_cap, stopped = _collect(proc, start, config, channel.stop_fd)
     elapsed = time.monotonic() - start
     if _IS_POSIX:
         enforced["leftover_processes_killed"] = _kill_leftovers(
@@ -682,24 +737,32 @@ def _spawn_and_wait(rt: _Runtime, uid: int | None, main: str, workdir: str, stdi
             raise SandboxError(report["error"])
         enforced.update(report)
     stderr = err.decode("utf-8", "replace")
-    status = _classify(returncode, stderr, timed_out, over_cap)
+    status = "stopped" if stopped else _classify(returncode, stderr, timed_out, over_cap)
     return SandboxResult(status=status, stdout=out.decode("utf-8", "replace"), stderr=stderr,
                          returncode=returncode, elapsed_s=elapsed, enforced=enforced)
 
 
-def _collect(proc: subprocess.Popen, start: float, config: SandboxConfig):
+def _collect(proc: subprocess.Popen, start: float, config: SandboxConfig,
+             stop_fd: int | None = None):
     """Read stdout/stderr until both close, the process exits (then a short grace for
-    daemons holding the pipes), the deadline passes, or a stream exceeds the cap."""
+    daemons holding the pipes), the deadline passes, a stream exceeds the cap, or ``stop_fd``
+    (not read here) is readable while the process still runs."""
     deadline = start + config.timeout_s
     bufs = {proc.stdout: bytearray(), proc.stderr: bytearray()}
     sel = selectors.DefaultSelector()
     for stream in bufs:
         os.set_blocking(stream.fileno(), False)
         sel.register(stream, selectors.EVENT_READ)
-    timed_out = over_cap = False
+    if stop_fd is not None:
+        sel.register(stop_fd, selectors.EVENT_READ)
+    timed_out = over_cap = stopped = False
     exited_at = None
+
+    def fds_of(selector):
+        return {key.fd for key in selector.get_map().values()}
     try:
-        while sel.get_map():
+        while (any(stream in sel.get_map() for stream in bufs)
+               or (stop_fd in fds_of(sel) and proc.poll() is None)):
             now = time.monotonic()
             if now >= deadline:
                 timed_out = True
@@ -709,6 +772,15 @@ def _collect(proc: subprocess.Popen, start: float, config: SandboxConfig):
             if exited_at is not None and now - exited_at > 0.2:
                 break
             for key, _ in sel.select(timeout=min(0.05, deadline - now)):
+                if key.fd == stop_fd:
+                    sel.unregister(stop_fd)
+                    # A program ending by itself is not "stopped": its descriptors close
+                    # (which may be what made stop_fd readable) just before it can be reaped.
+                    try:
+                        proc.wait(timeout=0.25)
+                    except subprocess.TimeoutExpired:
+                        stopped = True
+                    continue
                 try:
                     chunk = os.read(key.fd, 65536)
                 except BlockingIOError:
@@ -721,9 +793,9 @@ def _collect(proc: subprocess.Popen, start: float, config: SandboxConfig):
                 if len(buf) > config.output_limit_bytes:
                     del buf[config.output_limit_bytes:]
                     over_cap = True
-            if over_cap:
+            if over_cap or stopped:
                 break
-        if not timed_out and not over_cap and exited_at is None:
+        if not timed_out and not stopped and not over_cap and exited_at is None:
             try:
                 proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -732,12 +804,29 @@ def _collect(proc: subprocess.Popen, start: float, config: SandboxConfig):
         sel.close()
         proc.stdout.close()
         proc.stderr.close()
-    return bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), timed_out, over_cap
+    return (bytes(bufs[proc.stdout]), bytes(bufs[proc.stderr]), timed_out, over_cap,
+            stopped)
 
 
-def run_program(program: str, stdin: str = "", config: SandboxConfig | None = None
-                ) -> SandboxResult:
+def run_program(program: str, stdin: str = "", config: SandboxConfig | None = None, *,
+                pass_fds: tuple[int, ...] = (), stop_fd: int | None = None,
+                hide: tuple[str, ...] = ()) -> SandboxResult:
     """Run ``program`` (Python source) with ``stdin`` under ``config``; never raises for
-    anything the program does (``SandboxError`` only when the sandbox itself cannot start)."""
+    anything the program does (``SandboxError`` only when the sandbox itself cannot start).
+
+    Args:
+      pass_fds: the caller's file descriptors the program gets under the same numbers (POSIX;
+        e.g. the ends of pipes to a trusted checker). They belong to the run: this function
+        closes the caller's copies, whatever happens.
+      stop_fd: a descriptor the caller keeps; once it is readable (or at EOF) the run is
+        killed and its status is ``stopped``. It is never read here.
+      hide: absolute paths that read as empty inside the run (files: an empty file bound over
+        them; directories: an empty read-only tmpfs). Needs a mount namespace (root, or user
+        namespaces); ``enforced["hidden"]`` lists the paths actually hidden.
+    """
     config = config or SandboxConfig()
-    return _run(_runtime(config), program, stdin, config)
+    channel = _Channel(tuple(pass_fds), stop_fd, tuple(os.path.realpath(p) for p in hide))
+    try:
+        return _run(_runtime(config), program, stdin, config, channel)
+    finally:
+        channel.close_fds()

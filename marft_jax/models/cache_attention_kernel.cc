@@ -5,7 +5,7 @@
 // copies cost more than the attention. This handler takes the whole cache and the layer index
 // and reads the layer's slots where they lie. It returns the softmax partials over the cached
 // slots (max, sum of exponentials, exponential-weighted values); the caller folds in the new
-// tokens' own keys (marft_jax/models/cache_attention.py).
+// tokens' own keys (cache_attention.py beside this file).
 //
 // Per (row, kv head), three passes over the P read slots: scores of the G queries (one key
 // read serves all G), their max and exponentials, then the weighted sum of the values. Built

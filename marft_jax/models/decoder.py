@@ -10,6 +10,7 @@ Parameter layout (``Q = heads·head_dim``, ``KV = kv_heads·head_dim``, kernels 
     embed:        [vocab, H]
     layers/input_norm, layers/post_norm:               [layer, H]
     layers/{q,k,v}_proj/kernel: [layer, H, Q|KV]       (+ bias [layer, Q|KV] when qkv_bias)
+    layers/{q,k}_norm:          [layer, head_dim]      (when qk_norm: per-head RMSNorm, Qwen3)
     layers/o_proj/kernel:       [layer, Q, H]          (+ bias when o_bias)
     layers/{gate,up}_proj/kernel: [layer, H, F];  layers/down_proj/kernel: [layer, F, H]
     final_norm:   [H]
@@ -139,6 +140,9 @@ def init_params(key: jax.Array, cfg: ModelConfig, dtype=jnp.float32, std: float 
         layers["v_proj"]["bias"] = rnd((n, cfg.kv_size))
     if cfg.o_bias:
         layers["o_proj"]["bias"] = rnd((n, h))
+    if cfg.qk_norm:
+        layers["q_norm"] = jnp.ones((n, cfg.head_dim), dtype)
+        layers["k_norm"] = jnp.ones((n, cfg.head_dim), dtype)
     params = {"embed": rnd((cfg.vocab_size, h)), "layers": layers, "final_norm": jnp.ones((h,), dtype)}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = rnd((h, cfg.vocab_size))
@@ -162,10 +166,14 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return (weight.astype(jnp.float32) * xf).astype(x.dtype)
 
 
-def rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, HF ``rotate_half`` convention. x: [B, T, heads, D]; positions: [B, T]."""
+def rope(x: jax.Array, positions: jax.Array, theta: float, inv_freq: np.ndarray | None = None) -> jax.Array:
+    """Rotary embedding, HF ``rotate_half`` convention. x: [B, T, heads, D]; positions: [B, T].
+
+    ``inv_freq``: float32 ``[D/2]`` radians per position (:meth:`ModelConfig.rope_inv_freq`,
+    scaled RoPE); default ``theta ** (-2i / D)``."""
     d = x.shape[-1]
-    inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (np.arange(0, d, 2, dtype=np.float32) / d))
     ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
     cos = jnp.cos(jnp.concatenate([ang, ang], -1))[:, :, None, :]
     sin = jnp.sin(jnp.concatenate([ang, ang], -1))[:, :, None, :]
@@ -204,8 +212,12 @@ def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, cache_in, 
     q = _proj(h, p, "q_proj", la, lb, scale, per_row).reshape(b, t, cfg.num_heads, cfg.head_dim)
     k = _proj(h, p, "k_proj", la, lb, scale, per_row).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     v = _proj(h, p, "v_proj", la, lb, scale, per_row).reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    q = rope(q, positions, cfg.rope_theta)
-    k = rope(k, positions, cfg.rope_theta)
+    if cfg.qk_norm:
+        q = rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+    inv_freq = cfg.rope_inv_freq()
+    q = rope(q, positions, cfg.rope_theta, inv_freq)
+    k = rope(k, positions, cfg.rope_theta, inv_freq)
     k = jnp.swapaxes(k, 1, 2)                                   # [B, kv_heads, T, D]
     v = jnp.swapaxes(v, 1, 2)
     kv_new = None if cache_in is None else (k, v)

@@ -8,26 +8,32 @@ under llama.cpp's names. This module reads it with the ``gguf`` package, without
 * :func:`load_gguf_checkpoint` dequantizes every tensor (``gguf.quants.dequantize``: Q4_1,
   Q8_0, F16, F32, ...) to float32, renames it to its HF name, undoes llama.cpp's q/k row
   permutation for the ``llama`` architecture, and feeds
-  :func:`marft_jax.models.weights.params_from_state_dict`;
+  :func:`marft_jax.models.weights.params_from_state_dict`; a ``rope_freqs`` tensor (how
+  llama.cpp stores Llama 3.x ``llama3`` rope scaling: one divisor per frequency) becomes the
+  config's :class:`~marft_jax.models.config.RopeScaling` ``freq_factors``;
 * :func:`gguf_tokenizer` builds a ``transformers`` fast tokenizer from the vocabulary, merges,
   special ids and chat template stored in the file.
 
-Supported ``general.architecture`` values: ``llama`` and ``qwen2``; anything else raises
-:class:`UnsupportedConfigError` naming it.
+Supported ``general.architecture`` values: ``llama`` (Llama 2/3.x, SmolLM2), ``qwen2`` and
+``qwen3`` (dense; ``attn_q_norm`` / ``attn_k_norm`` per-head norms); anything else raises
+:class:`UnsupportedConfigError` naming it. Rope scaling stored as metadata
+(``{arch}.rope.scaling.type``: linear, yarn) is refused by :meth:`ModelConfig.from_hf`.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any, Union
 
 import numpy as np
 
-from marft_jax.models.config import ModelConfig, UnsupportedConfigError
+from marft_jax.models.config import ModelConfig, RopeScaling, UnsupportedConfigError
 from marft_jax.models.weights import CheckpointError, params_from_state_dict
 
-GGUF_ARCHS = ("llama", "qwen2")
+GGUF_ARCHS = ("llama", "qwen2", "qwen3")
+ROPE_FREQS = "rope_freqs.weight"   # llama.cpp's per-frequency RoPE divisors (Llama 3.x scaling)
 
 # llama.cpp tensor name -> HF tensor name (per layer: ``blk.N.<key>`` -> ``model.layers.N.<value>``).
 _GLOBAL_NAMES = {
@@ -42,6 +48,7 @@ _LAYER_NAMES = {
     "attn_k.weight": "self_attn.k_proj.weight", "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.weight": "self_attn.v_proj.weight", "attn_v.bias": "self_attn.v_proj.bias",
     "attn_output.weight": "self_attn.o_proj.weight", "attn_output.bias": "self_attn.o_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -102,7 +109,10 @@ def gguf_architecture(reader) -> str:
 
 
 def gguf_hf_config(source: ReaderLike) -> dict[str, Any]:
-    """An HF-style config dict (``model_type``, ``hidden_size``, ...) from the GGUF metadata."""
+    """An HF-style config dict (``model_type``, ``hidden_size``, ...) from the GGUF metadata.
+
+    A ``rope_freqs`` tensor is not in the dict (it is no HF option): :func:`gguf_model_config`
+    adds it to the :class:`ModelConfig`."""
     reader = _reader(source)
     arch = gguf_architecture(reader)
     meta = read_metadata(reader, keys=tuple(k for k in reader.fields if not k.startswith("tokenizer.ggml.")
@@ -116,9 +126,6 @@ def gguf_hf_config(source: ReaderLike) -> dict[str, Any]:
         return meta[full]
 
     tensor_names = {t.name for t in reader.tensors}
-    if "rope_freqs.weight" in tensor_names:
-        raise UnsupportedConfigError(f"{name}: tensor 'rope_freqs.weight' (Llama-3 style scaled RoPE) "
-                                     "is not supported (only default RoPE)")
     hidden = int(need("embedding_length"))
     heads = int(need("attention.head_count"))
     kv_heads = meta.get(f"{arch}.attention.head_count_kv", heads)
@@ -161,13 +168,31 @@ def gguf_hf_config(source: ReaderLike) -> dict[str, Any]:
         cfg["sliding_window"] = int(meta[f"{arch}.attention.sliding_window"])
         if arch == "qwen2":
             cfg["use_sliding_window"] = True
-    if arch == "llama":
+    if arch in ("llama", "qwen3"):
         cfg["attention_bias"] = "blk.0.attn_q.bias" in tensor_names
     if "tokenizer.ggml.bos_token_id" in meta:
         cfg["bos_token_id"] = int(meta["tokenizer.ggml.bos_token_id"])
     if "tokenizer.ggml.eos_token_id" in meta:
         cfg["eos_token_id"] = int(meta["tokenizer.ggml.eos_token_id"])
     return cfg
+
+
+def gguf_model_config(source: ReaderLike) -> ModelConfig:
+    """The :class:`ModelConfig` of a GGUF file: :func:`gguf_hf_config` through
+    :meth:`ModelConfig.from_hf`, plus the ``rope_freqs`` divisors when the file has them."""
+    reader = _reader(source)
+    cfg = ModelConfig.from_hf(gguf_hf_config(reader))
+    freqs = next((t for t in reader.tensors if t.name == ROPE_FREQS), None)
+    if freqs is None:
+        return cfg
+    if cfg.rope_scaling is not None:
+        raise UnsupportedConfigError(f"{_source_name(reader)}: tensor {ROPE_FREQS!r} together with "
+                                     f"rope scaling metadata ({cfg.rope_scaling.rope_type}) is not supported")
+    factors = dequantize_tensor(freqs).reshape(-1)
+    if factors.shape[0] != cfg.head_dim // 2:
+        raise CheckpointError(f"{_source_name(reader)}: tensor {ROPE_FREQS!r} has {factors.shape[0]} entries, "
+                              f"expected head_dim/2 = {cfg.head_dim // 2}")
+    return dataclasses.replace(cfg, rope_scaling=RopeScaling("freq_factors", factors=tuple(float(f) for f in factors)))
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -210,11 +235,12 @@ def load_gguf_checkpoint(source: ReaderLike, dtype=np.float32) -> tuple[ModelCon
     """
     reader = _reader(source)
     name = _source_name(reader)
-    hf_cfg = gguf_hf_config(reader)
-    cfg = ModelConfig.from_hf(hf_cfg)
+    cfg = gguf_model_config(reader)
     by_hf: dict[str, Any] = {}
     unknown = []
     for t in reader.tensors:
+        if t.name == ROPE_FREQS:
+            continue
         hf = hf_tensor_name(t.name)
         if hf is None:
             unknown.append(t.name)

@@ -34,7 +34,39 @@ def logprob_and_entropy(z: jax.Array, targets: jax.Array) -> tuple[jax.Array, ja
     return picked - lse, lse - jnp.sum(jax.nn.softmax(z, axis=-1) * z, axis=-1)
 
 
-LOGITS_CHUNK_BYTES = 64 << 20
+LOGITS_CHUNK_BYTES = 64 << 20                 # CPU: a chunk's logits stay near the caches
+ACCELERATOR_LOGITS_CHUNK_BYTES = 1 << 30     # GPU / TPU: >= 1765 positions of a 152k vocabulary
+ACCELERATOR_CHUNK_MEMORY_FRACTION = 32       # ... and at most 1/32 of the device's memory
+
+
+def logits_chunk_bytes(backend: str | None = None, device_memory_bytes: int | None = None) -> int:
+    """Float32 logit bytes one chunk of :func:`chunked_logprobs` may hold on ``backend``
+    (default: JAX's default backend).
+
+    The CPU keeps :data:`LOGITS_CHUNK_BYTES` (64 MiB: fastest there, and the CPU results are
+    pinned). An accelerator re-reads the whole ``[H, vocab]`` head once per chunk, so 64 MiB
+    (~13 positions of 8 rows at a 152k vocabulary, ~40 reads per forward) would make the head
+    memory-bound: it gets :data:`ACCELERATOR_LOGITS_CHUNK_BYTES`, bounded by
+    ``device_memory_bytes / ACCELERATOR_CHUNK_MEMORY_FRACTION`` (the log-softmax and its
+    gradient keep a few buffers of the chunk's size), where the device reports its memory.
+    """
+    b = backend or jax.default_backend()
+    if b == "cpu":
+        return LOGITS_CHUNK_BYTES
+    if device_memory_bytes is None:
+        device_memory_bytes = _device_memory_bytes()
+    cap = ACCELERATOR_LOGITS_CHUNK_BYTES
+    if device_memory_bytes:
+        cap = min(cap, device_memory_bytes // ACCELERATOR_CHUNK_MEMORY_FRACTION)
+    return max(LOGITS_CHUNK_BYTES, cap)
+
+
+def _device_memory_bytes() -> int | None:
+    try:
+        stats = jax.local_devices()[0].memory_stats() or {}
+    except Exception:   # backends without memory stats
+        return None
+    return stats.get("bytes_limit")
 
 
 def chunked_logprobs(
@@ -52,17 +84,17 @@ def chunked_logprobs(
       targets: ``[batch, time]`` int32 token predicted at each position.
       temperature: sampling temperature T (> 0).
       chunk: at most this many positions per chunk (fewer when ``batch x chunk x vocab`` float32
-        logits would pass :data:`LOGITS_CHUNK_BYTES`); the time axis is padded to a multiple.
+        logits would pass :func:`logits_chunk_bytes`); the time axis is padded to a multiple.
     Returns:
       ``(logp, entropy)``, both ``[batch, time]`` float32.
     """
     chex.assert_rank(hidden, 3)
     chex.assert_rank(targets, 2)
     b, t, h = hidden.shape
-    # At most ~LOGITS_CHUNK_BYTES of float32 logits per chunk: [b, chunk, vocab] and the few
+    # At most ~logits_chunk_bytes() of float32 logits per chunk: [b, chunk, vocab] and the few
     # buffers of its size the log-softmax and its gradient keep (the update's largest temporaries
     # on the reference workload were these: 12 x 128 x 49,152 x 4 B = 302 MB each).
-    chunk = max(1, min(chunk, t, LOGITS_CHUNK_BYTES // max(1, b * head.shape[-1] * 4)))
+    chunk = max(1, min(chunk, t, logits_chunk_bytes() // max(1, b * head.shape[-1] * 4)))
     n = -(-t // chunk)
     pad = n * chunk - t
     hid = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, h).swapaxes(0, 1)

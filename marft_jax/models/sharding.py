@@ -69,6 +69,8 @@ def logical_axes(path: tuple[str, ...], ndim: int) -> tuple[str | None, ...]:
         mod = path[1]
         if mod in ("input_norm", "post_norm"):
             return ("layer", "embed")
+        if mod in ("q_norm", "k_norm"):          # [layer, head_dim]: per-head weights, replicated
+            return ("layer", None)
         out_in = {
             "q_proj": ("embed", "heads"), "k_proj": ("embed", "kv_heads"), "v_proj": ("embed", "kv_heads"),
             "o_proj": ("heads", "embed"), "gate_proj": ("embed", "mlp"), "up_proj": ("embed", "mlp"),

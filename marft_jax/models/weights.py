@@ -29,6 +29,7 @@ _LAYER_KEYS = {
     "self_attn.k_proj.weight": ("k_proj", "kernel"), "self_attn.k_proj.bias": ("k_proj", "bias"),
     "self_attn.v_proj.weight": ("v_proj", "kernel"), "self_attn.v_proj.bias": ("v_proj", "bias"),
     "self_attn.o_proj.weight": ("o_proj", "kernel"), "self_attn.o_proj.bias": ("o_proj", "bias"),
+    "self_attn.q_norm.weight": ("q_norm",), "self_attn.k_norm.weight": ("k_norm",),
     "mlp.gate_proj.weight": ("gate_proj", "kernel"), "mlp.up_proj.weight": ("up_proj", "kernel"),
     "mlp.down_proj.weight": ("down_proj", "kernel"),
 }
@@ -57,6 +58,8 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
                           "self_attn.v_proj.bias": (cfg.kv_size,)})
     if cfg.o_bias:
         per_layer["self_attn.o_proj.bias"] = (h,)
+    if cfg.qk_norm:
+        per_layer.update({"self_attn.q_norm.weight": (cfg.head_dim,), "self_attn.k_norm.weight": (cfg.head_dim,)})
     for i in range(cfg.num_layers):
         for k, s in per_layer.items():
             shapes[f"model.layers.{i}.{k}"] = s

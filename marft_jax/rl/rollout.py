@@ -9,6 +9,25 @@ are scored; with several answerers the team's score is their mean.
 Multi-step episodes append the environment's feedback and continue until the answer is
 accepted (``score ≥ success_threshold``), the horizon is reached (terminal), or the step cap
 ``max_steps`` cuts them (truncated, bootstrapped from agent 0's next-step context).
+
+Context overflow (``rollout.overflow``). Every sampled prompt must leave at least the minimum
+generation budget (:func:`min_budget`: a quarter of the agent's budget, rounded up) in
+``rollout.context_window``; between that and the full budget the budget shrinks to fit (the
+response is then counted as clipped). A prompt that does not fit:
+
+* ``truncate_history`` (default): the oldest turns are dropped until it fits: earlier steps'
+  records (the team's outputs and the feedback), oldest first, then the current step's parent
+  outputs, oldest first; the system prompt and the task always stay. If they alone do not fit,
+  the run stops with an error naming ``rollout.context_window`` and the row.
+* ``end_episode``: a row one of whose step-``s`` prompts does not fit (``s ≥ 1``) ends after
+  step ``s - 1`` as truncated (bootstrapped from the critic's value, not a terminal 0); what its
+  agents had sampled at step ``s`` is discarded. At step 0 there is nothing to end, so the
+  prompt is truncated as above.
+* ``error``: the run stops with an error naming the key, the row and the lengths.
+
+The bootstrap contexts and the critic's joint-history contexts are fitted like the prompts under
+the first two policies (left as built under ``error``). The trajectory stores each prompt
+exactly as the sampler got it, so the training passes see the tokens the sampler saw.
 """
 
 from __future__ import annotations
@@ -61,11 +80,15 @@ class RowGroup(Protocol):
 class RolloutTexts:
     """Host-side texts: ``outputs[s][b][i]`` decoded response ('' when not played);
     ``infos[s][b]``: the scorer's info dict of the step; ``sampler_calls``: sampler calls per
-    played env step (the graph's layer count)."""
+    played env step (the graph's layer count); ``overflow_truncated``: sampled prompts whose
+    oldest turns were dropped, ``overflow_ended``: episodes ended because a prompt did not fit
+    (``rollout.overflow``)."""
 
     outputs: list[list[list[str]]]
     infos: list[list[dict]]
     sampler_calls: float = 0.0
+    overflow_truncated: int = 0
+    overflow_ended: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,16 +118,54 @@ class Team:
         return topo.resolve(None, roles=self.roles, answer_agent=self.answer_agent, mode=mode)
 
 
+def min_budget(cfg: RolloutConfig, agent: int) -> int:
+    """The fewest new tokens a prompt of agent ``agent`` must leave in ``rollout.context_window``:
+    a quarter of its budget, rounded up (``rollout.overflow`` acts on a prompt that leaves fewer)."""
+    return max(1, -(-cfg.budget(agent) // 4))
+
+
 def _context(team: Team, problem: Problem, agent: int, history, current: dict[int, str],
-             cfg: RolloutConfig, tok):
-    """Agent ``agent``'s context; ``current`` maps the parents it reads to their outputs."""
-    roles = [team.roles[j] for j in current]
-    outs = list(current.values())
+             cfg: RolloutConfig, tok, drop: int = 0):
+    """Agent ``agent``'s context; ``current`` maps the parents it reads to their outputs.
+    ``drop``: the oldest turns left out, earlier steps' records first, then current parents."""
+    parents = list(current.items())[max(0, drop - len(history)):]
+    history = history[drop:]
+    roles = [team.roles[j] for j, _ in parents]
+    outs = [o for _, o in parents]
     if cfg.prompt_format == "g1_raw":
         return tok.encode_text(g1_raw_prompt(team.system_prompts[agent], problem.view(agent), team.roles,
                                              history, outs, agent, current_roles=roles))
     return tok.encode_chat(build_messages(team.system_prompts[agent], problem.view(agent), team.roles,
                                           history, outs, current_roles=roles))
+
+
+def _where(team: Team, problem: Problem, row: int, agent: int, step: int) -> str:
+    return f"row {row} (problem {problem.uid!r}), agent {agent} ({team.roles[agent]}), step {step}"
+
+
+def _fitted(team: Team, problem: Problem, agent: int, history, current: dict[int, str], cfg: RolloutConfig,
+            tok, *, row: int, step: int) -> tuple[list[int], int]:
+    """Agent ``agent``'s context with the fewest oldest turns dropped that leaves
+    :func:`min_budget` in the window. Returns (tokens, turns dropped)."""
+    room = cfg.context_window - min_budget(cfg, agent)
+    for drop in range(len(history) + len(current) + 1):
+        prompt = _context(team, problem, agent, history, current, cfg, tok, drop)
+        if len(prompt) <= room:
+            return prompt, drop
+    raise ValueError(
+        f"rollout.context_window={cfg.context_window}: {_where(team, problem, row, agent, step)}: the system "
+        f"prompt and the task alone take {len(prompt)} tokens, leaving fewer than the minimum generation budget "
+        f"of {min_budget(cfg, agent)} tokens; raise rollout.context_window or shorten the task "
+        f"(task.max_prompt_tokens)")
+
+
+def _overflow_error(team: Team, problem: Problem, prompt: list[int], cfg: RolloutConfig, *, row: int,
+                    agent: int, step: int) -> ValueError:
+    return ValueError(
+        f"rollout.overflow=error: {_where(team, problem, row, agent, step)}: the prompt has {len(prompt)} "
+        f"tokens; with the minimum generation budget of {min_budget(cfg, agent)} tokens it exceeds "
+        f"rollout.context_window={cfg.context_window} (rollout.overflow=truncate_history drops the oldest "
+        f"turns instead)")
 
 
 def rollout(
@@ -135,7 +196,8 @@ def rollout(
     graph = team.graph(cfg.mode)
     if graph.num_agents != N:
         raise ValueError(f"the team graph has {graph.num_agents} agents, the team {N}")
-    calls_made = steps_played = 0
+    calls_made = steps_played = overflow_truncated = 0
+    ended_rows: list[int] = []
     anyone = (lambda flag: flag) if group is None else group.any
     # agents whose critic state is the joint history, not their own context
     joint = [i for i in range(N)
@@ -161,6 +223,36 @@ def rollout(
     history: list[list[StepRecord]] = [[] for _ in range(B)]
     active = np.ones(B, bool)
     boot: dict[tuple[int, int], list[int]] = {}
+
+    def prompt_for(b: int, i: int, s: int, current: dict[int, str]) -> list[int] | None:
+        """Agent i's prompt at step s of row b under ``rollout.overflow``; None: it does not fit
+        and the episode ends (``end_episode``)."""
+        nonlocal overflow_truncated
+        if cfg.overflow == "error" or (cfg.overflow == "end_episode" and s > 0):
+            p = _context(team, problems[b], i, history[b], current, cfg, tokenizer)
+            if len(p) + min_budget(cfg, i) <= cfg.context_window:
+                return p
+            if cfg.overflow == "error":
+                raise _overflow_error(team, problems[b], p, cfg, row=b, agent=i, step=s)
+            return None
+        p, dropped = _fitted(team, problems[b], i, history[b], current, cfg, tokenizer, row=b, step=s)
+        overflow_truncated += dropped > 0
+        return p
+
+    def state(b: int, i: int, s: int, current: dict[int, str]) -> list[int]:
+        """A context that is not sampled (the bootstrap state, the critic's joint history):
+        fitted as a prompt would be, except under ``error``, which leaves it as built."""
+        if cfg.overflow == "error":
+            return _context(team, problems[b], i, history[b], current, cfg, tokenizer)
+        return _fitted(team, problems[b], i, history[b], current, cfg, tokenizer, row=b, step=s)[0]
+
+    def discard(s: int, b: int) -> None:
+        """Forget what row b's agents sampled at step s (the episode ended before it)."""
+        for a in range(N):
+            ctx.pop((s, b, a), None)
+            outputs[s][b][a] = ""
+        for x in (act, act_len, logp, policy_logp, entropy, words, clipped):
+            x[s, b] = 0
 
     def run(calls: list[tuple[int, int, list[int]]], s: int, k: jax.Array) -> None:
         """Generate for (row, agent, prompt) triples and store the results at step s."""
@@ -191,17 +283,33 @@ def rollout(
         if not anyone(rows.size > 0):
             break
         steps_played += 1
-        step_mask[s, rows] = True
         key, *agent_keys = jax.random.split(key, N + 1)
+        ended: list[int] = []        # rows whose step-s prompts do not fit (end_episode)
         for layer in graph.layers:   # a layer samples with its first agent's key
-            calls = [(b, i, _context(team, problems[b], i, history[b],
-                                     {j: outputs[s][b][j] for j in graph.parents[i]}, cfg, tokenizer))
-                     for b in rows for i in layer]
-            run(calls, s, agent_keys[layer[0]])
+            calls = []
+            for b in rows:
+                if b in ended:
+                    continue
+                mine = [(b, i, prompt_for(b, i, s, {j: outputs[s][b][j] for j in graph.parents[i]})) for i in layer]
+                if any(p is None for _, _, p in mine):
+                    ended.append(b)
+                else:
+                    calls += mine
+            # end_episode can leave a layer without prompts: skip its call if every process has none
+            if cfg.overflow != "end_episode" or anyone(bool(calls)):
+                run(calls, s, agent_keys[layer[0]])
+        for b in ended:              # truncated after step s - 1, bootstrapped from agent 0's step-s state
+            discard(s, b)
+            truncated[s - 1, b] = True
+            for i in (range(N) if graph.independent else [0]):
+                boot[(b, i)] = state(b, i, s, {})
+        ended_rows.extend(ended)
+        active[ended] = False
+        rows = np.array([b for b in rows if b not in ended], np.int64)
+        step_mask[s, rows] = True
         for b in rows:
             for i in joint:
-                critic_ctx[(s, b, i)] = _context(team, problems[b], i, history[b],
-                                                 {j: outputs[s][b][j] for j in range(i)}, cfg, tokenizer)
+                critic_ctx[(s, b, i)] = state(b, i, s, {j: outputs[s][b][j] for j in range(i)})
 
         answers = graph.answer_agents
         transcripts = [Transcript(problems[b], tuple(outputs[s][b]), a) for b in rows for a in answers]
@@ -228,7 +336,7 @@ def rollout(
             history[b].append(StepRecord(tuple(outputs[s][b]), None if term[j] else feedback))
             if trunc[j]:
                 for i in (range(N) if graph.independent else [0]):
-                    boot[(b, i)] = _context(team, problems[b], i, history[b], {}, cfg, tokenizer)
+                    boot[(b, i)] = state(b, i, s + 1, {})
         active[rows[term | trunc]] = False
 
     longest = max([len(p) for p in ctx.values()] + [len(p) for p in boot.values()]
@@ -263,4 +371,5 @@ def rollout(
                       entropy=entropy if has_policy_logp else None,
                       critic_ctx_tokens=critic_tokens, critic_ctx_valid=critic_valid)
     traj.check()
-    return traj, RolloutTexts(outputs=outputs, infos=infos, sampler_calls=calls_made / max(steps_played, 1))
+    return traj, RolloutTexts(outputs=outputs, infos=infos, sampler_calls=calls_made / max(steps_played, 1),
+                              overflow_truncated=overflow_truncated, overflow_ended=len(ended_rows))

@@ -28,7 +28,8 @@ class Trajectory:
       word_count: ``[S, B, N]`` int32, whitespace-separated words of the decoded response
         (``word`` log-prob normalization).
       step_mask: ``[S, B]`` bool, step s was played.
-      terminal, truncated: ``[S, B]`` bool, the episode ended at s by termination / a step cap.
+      terminal, truncated: ``[S, B]`` bool, the episode ended at s by termination / a step cap
+        or a next step whose contexts do not fit the window (``rollout.overflow=end_episode``).
       score: ``[S, B]`` float32, verifier score of the step (answering agent), in [0, 1].
       agent_score: ``[S, B, N]`` float32, each agent's own score (independent PPO), else
         a copy of ``score``.

@@ -4,6 +4,7 @@ sampler, scorer and the learner, so ``train``, ``eval`` and ``generate`` share o
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import jax
@@ -29,20 +30,37 @@ from marft_jax.train.prepare import AdvantageConfig
 
 
 def build_task(cfg: Config) -> Task:
-    """The task named by ``task.name`` (errors name the key)."""
+    """The task named by ``task.name`` (errors name the key). Without ``task.path`` the named
+    Hub tasks (math, math500, gsm8k, aime, humaneval) read their pinned Hub datasets
+    (:mod:`marft_jax.data.hub_datasets`); ``task.path`` / ``task.eval_path`` override them."""
+    from marft_jax.data import hub_datasets
+
     t = cfg.task
     if t.name == "arithmetic":
         from marft_jax.envs.arithmetic import ArithmeticTask
 
         return ArithmeticTask(t.level, n_train=t.train_size, n_test=t.test_size, data_seed=0)
+    for key in ("task.path", "task.eval_path"):
+        value = getattr(t, key.split(".")[1])
+        if value is not None and not Path(value).exists():
+            raise ConfigError(f"{key} {value!r} does not exist")
     if t.name == "humaneval":
         from marft_jax.envs.code_task import humaneval_task
 
-        return humaneval_task(path=t.path, code_reward=t.code_reward)
+        path = t.path or str(hub_datasets.hub_file("humaneval", "test")[1])
+        return humaneval_task(path=path, code_reward=t.code_reward)
+    if t.path is None and t.name in hub_datasets.HUB_TASKS:
+        from marft_jax.data.datasets import load_problems
+        from marft_jax.envs.math_task import MathTask
+
+        kwargs = {k: v for k, v in (("problem_field", t.problem_field), ("answer_field", t.answer_field)) if v}
+        train = hub_datasets.hub_problems(t.name, "train")
+        test = (load_problems(t.eval_path, **kwargs) if t.eval_path
+                else hub_datasets.hub_problems(t.name, "test"))
+        return MathTask(t.name, train, test)
     if t.path is None:
-        raise ConfigError(f"task.path is required for task.name={t.name!r}")
-    if not Path(t.path).exists():
-        raise ConfigError(f"task.path {t.path!r} does not exist")
+        raise ConfigError(f"task.path is required for task.name={t.name!r} (Hub datasets are pinned "
+                          f"for {', '.join(hub_datasets.HUB_TASKS)})")
     if t.name == "code_jsonl":
         from marft_jax.envs.code_task import stdio_task
 
@@ -84,6 +102,20 @@ def model_dtype(cfg: Config):
     return {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[cfg.model.dtype]
 
 
+def share_prefixes(cfg: Config, attention: str) -> bool:
+    """``ppo.share_prefixes`` as the resolved ``attention`` allows it. Shared-prefix branches need a
+    dense mask (``xla``, ``cudnn``); the Pallas and splash kernels take a static causal mask plus
+    segment ids only, so there it is switched off with a warning (each sequence then packs its
+    whole context: more slots, measured in docs/accelerators.md)."""
+    if cfg.ppo.share_prefixes and attention not in ("xla", "cudnn"):
+        logging.getLogger(__name__).warning(
+            "ppo.share_prefixes is switched off: model.attention=%s (%s) takes segment ids only, not the "
+            "shared-prefix branches; each sequence packs its whole context instead (more slots)",
+            attention, cfg.model.attention)
+        return False
+    return cfg.ppo.share_prefixes
+
+
 def remat_policy(cfg: Config) -> str | None:
     """``model.remat`` as a policy name (None: auto); ``true``/``false`` read as ``full``/``none``."""
     r = cfg.model.remat
@@ -121,15 +153,17 @@ class Run:
 def build_run(cfg: Config) -> Run:
     """Load the model and build the task, team, scorer and learner for ``cfg``."""
     plan = distributed.initialize(cfg.dist)    # before anything that starts the XLA backend
+    distributed.enable_compilation_cache(cfg.train.compilation_cache_dir)   # before the first compile
     team = build_team(cfg)
     task = build_task(cfg)
     dtype = model_dtype(cfg)
+    weights_dtype = registry.default_dtype() if dtype is None else dtype   # what load_model loads in
     try:
-        impl = attention_lib.resolve(cfg.model.attention, dtype=dtype)
+        impl = attention_lib.resolve(cfg.model.attention, dtype=weights_dtype)
     except attention_lib.AttentionUnavailable as e:
         raise ConfigError(str(e)) from None
     try:
-        decode_impl = cache_attention.resolve(cfg.model.decode_attention, dtype=dtype)
+        decode_impl = cache_attention.resolve(cfg.model.decode_attention, dtype=weights_dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     placements: list[Placement] = []
@@ -141,7 +175,8 @@ def build_run(cfg: Config) -> Run:
         return placements[-1].base_shardings(abstract_params)
 
     try:        # with several devices the base weights are born sharded (each process reads its blocks)
-        model = registry.load_model(cfg.model.name, dtype=dtype, place=place if jax.device_count() > 1 else None)
+        model = registry.load_model(cfg.model.name, dtype=dtype, place=place if jax.device_count() > 1 else None,
+                                    revision=cfg.model.revision)
     except sharding.ShardingRuleError as e:
         raise ConfigError(str(e)) from None
     placement = placements[-1] if placements else None
@@ -153,8 +188,7 @@ def build_run(cfg: Config) -> Run:
     pool = ScoringPool(task, workers=cfg.train.scoring_workers)
     sampler = Sampler(model.cfg, pad_id=tok.pad_id, stop_ids=tok.stop_ids, max_prompt_len=cfg.rollout.context_window)
     sampler.place_on(placement)
-    # Shared prefixes need a dense attention mask: the Pallas kernels take segment ids only.
-    share = cfg.ppo.share_prefixes and model.cfg.attention in ("xla", "cudnn")
+    share = share_prefixes(cfg, model.cfg.attention)
     learner = TeamLearner(
         cfg=model.cfg, base=model.params, tokenizer=tok,
         sampler=sampler,

@@ -236,6 +236,7 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
     bar = _progress(cfg.train.iterations, start)
     it, skipped, budget_hit, last_step_s = start, 0, False, 0.0
     last_metrics: dict = {}
+    overflow_noted = False   # the first iteration whose contexts outgrew the window has been reported
     logged = start           # the last iteration whose metrics went to the sinks (train.log_every)
 
     def save(i: int) -> None:
@@ -272,8 +273,9 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
                 print(f"iteration {it + 1}: first of this run, compiling as it goes ...", flush=True)
                 learner.on_stage = lambda name, s: print(f"  {name}: {s:.1f}s", flush=True)
             profiler.before(it)
-            state, m, _ = learner.iteration(state, problems, iteration=it, env_samples=env_samples,
-                                            key=jax.random.fold_in(seed_key, it))
+            state, m, texts = learner.iteration(state, problems, iteration=it, env_samples=env_samples,
+                                                key=jax.random.fold_in(seed_key, it))
+            overflow_noted = overflow_noted or _note_overflow(cfg, texts, it)
             profiler.after(it)
             if not _finite(m) or nonfinite_leaves(state):
                 skipped += 1
@@ -293,7 +295,7 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
             if cfg.train.eval_every and it % cfg.train.eval_every == 0 and it < cfg.train.iterations:
                 res = _eval_and_save(run, state, eval_problems, cfg, run_dir, f"iter{it:06d}")
                 writer.write(it, {"eval/accuracy": res.mean})
-            if it % cfg.train.save_every == 0:
+            if cfg.train.save_every and it % cfg.train.save_every == 0:   # 0: the final checkpoint only
                 save(it)
     if bar is not None:
         bar.close()
@@ -323,6 +325,20 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
         print(f"plotting failed: {e}", file=sys.stderr)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _note_overflow(cfg: Config, texts, it: int) -> bool:
+    """Say (once per run) that this iteration's contexts outgrew ``rollout.context_window`` and
+    what ``rollout.overflow`` did; True when there was something to say."""
+    truncated, ended = getattr(texts, "overflow_truncated", 0), getattr(texts, "overflow_ended", 0)
+    if not (truncated or ended):
+        return False
+    if is_primary():
+        did = ", ".join([f"{truncated} prompt(s) dropped their oldest turns"] * bool(truncated)
+                        + [f"{ended} episode(s) ended early (truncated, bootstrapped)"] * bool(ended))
+        print(f"iteration {it + 1}: contexts outgrew rollout.context_window={cfg.rollout.context_window}: {did} "
+              f"(rollout.overflow={cfg.rollout.overflow}; reported once per run)", flush=True)
+    return True
 
 
 def _report(bar, it: int, total: int, m: dict, t_start: float) -> None:
