@@ -34,9 +34,10 @@ def _split_overrides(items: list[str]) -> tuple[str | None, list[str]]:
 
 def _load(items: list[str], default: str | None):
     from marft_jax.config import load_config
+    from marft_jax.train.build import check_names
 
     preset, overrides = _split_overrides(items)
-    cfg = load_config(preset or default, overrides)      # ConfigError: exit status 2 (main)
+    cfg = check_names(load_config(preset or default, overrides))   # ConfigError: exit status 2 (main)
     if preset or default:
         from dataclasses import replace
 

@@ -13,6 +13,7 @@ import pytest
 from marft_jax.config import ConfigError, load_config
 from marft_jax.train import metric_sinks as S
 from marft_jax.train import trainer
+from marft_jax.train.build import check_names
 from marft_jax.train.metrics import MetricsWriter
 
 
@@ -62,13 +63,13 @@ def test_default_loggers_and_selection_from_config(tmp_path):
 ])
 def test_bad_loggers_are_config_errors_naming_the_key(value, match):
     with pytest.raises(ConfigError, match=match):
-        load_config(None, [f"train.loggers={value}"])
+        check_names(load_config(None, [f"train.loggers={value}"]))
 
 
 def test_bad_wandb_mode_names_the_key():
     with pytest.raises(ConfigError, match=r"train\.wandb\.mode='cloud'.*offline"):
-        load_config(None, ["train.wandb.mode=cloud"])
-    assert load_config(None, ["train.wandb.mode=offline"]).train.wandb.mode == "offline"
+        check_names(load_config(None, ["train.wandb.mode=cloud"]))
+    assert check_names(load_config(None, ["train.wandb.mode=offline"])).train.wandb.mode == "offline"
 
 
 def test_open_sinks_rejects_unknown_names(tmp_path):

@@ -37,7 +37,9 @@ def _generator():
 
 @pytest.fixture(scope="module")
 def configs() -> dict[str, Config]:
-    return {name: load_config(name) for name in PRESETS}
+    from marft_jax.train.build import check_names    # the keys that name a registry's entries
+
+    return {name: check_names(load_config(name)) for name in PRESETS}
 
 
 def test_preset_inventory():
@@ -216,6 +218,25 @@ def test_round_trip_through_yaml(tmp_path, configs):
 def test_bad_value_names_the_key(override, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         load_config("demo", [override])
+
+
+@pytest.mark.parametrize("override, match", [
+    ("lora.targets=[qkv_proj]", r"lora\.targets: unknown module\(s\) \['qkv_proj'\]"),
+    ("lora.targets=[]", r"lora\.targets must name at least one module"),
+    ("team.graph=star", r"team\.graph='star': must be one of \['chain'"),
+    ("team.layer_links=star", r"team\.layer_links='star': must be one of \['chain', 'layer'\]"),
+    ("train.loggers=[jsonl,csv]", r"train\.loggers=.*unknown: \['csv'\]"),
+])
+def test_a_registry_name_is_checked_beside_its_registry_at_build(override, match):
+    """config.py imports nothing of the package, so the keys that name a registry's entries are
+    checked by ``check_names`` (the registries' own validators), which every entry point calls
+    before any work; ``build_team`` (no model) is the cheapest of them."""
+    from marft_jax.train.build import build_team, check_names
+
+    cfg = load_config("demo", [override])
+    for entry in (check_names, build_team):
+        with pytest.raises(ConfigError, match=match):
+            entry(cfg)
 
 
 def test_concurrent_layers_outside_the_sequential_scan_name_both_keys():

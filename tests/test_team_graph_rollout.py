@@ -154,13 +154,20 @@ def test_profile_parents_define_the_graph_and_bad_graphs_name_the_file(tmp_path)
     bad = tmp_path / "cycle.yaml"
     bad.write_text(good.read_text().replace('{role: x, system_prompt: "p"}',
                                             '{role: x, system_prompt: "p", parents: [judge]}'))
+    from marft_jax.config import load_config
+    from marft_jax.train.build import build_team
+
+    def team_of(path):        # the graph is checked where the run's team is built (envs/ never imports rl/)
+        return build_team(load_config(None, [f"team.profile={path}", "team.num_agents=3"]))
+
+    assert team_of(good).topology.layers == ((0, 1), (2,))
     with pytest.raises(ValueError) as err:
-        load_profiles(bad)
+        team_of(bad)
     assert "cycle.yaml" in str(err.value) and "judge" in str(err.value) and "x" in str(err.value)
     idle = tmp_path / "idle.yaml"
     idle.write_text(good.read_text().replace("parents: [x, y]", "parents: [x]"))
     with pytest.raises(ValueError, match=r"\['y'\].*read by no role"):
-        load_profiles(idle)
+        team_of(idle)
 
 
 def test_the_critic_reads_the_joint_history_where_the_policy_reads_its_parents_only():

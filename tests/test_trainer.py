@@ -229,7 +229,7 @@ def test_layer_links_reach_the_rollout_and_the_backup(tiny_dir, tmp_path):
         run.close()
     assert build_team(load_config("demo-mixture", over[:1])).layer_links == "chain"
     with pytest.raises(ConfigError, match="team.layer_links"):
-        load_config("demo-mixture", over + ["team.layer_links=star"])
+        build_team(load_config("demo-mixture", over + ["team.layer_links=star"]))
     with pytest.raises(ConfigError, match="algo.reference_semantics.*team.layer_links"):
         build_team(load_config("demo-mixture", over + ["algo.reference_semantics=true"]))
 

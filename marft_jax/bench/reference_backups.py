@@ -1,18 +1,19 @@
-"""NumPy loop transcription of the reference backups (§6a, §6b, §10): the test oracle and the
-benchmark baseline.
+"""NumPy loop transcription of the specified backups (docs/algorithm.md#gae-backups): the test
+oracle and the benchmark baseline.
 
 Written in the style of G1's buffers (``marft/buffers/*_level_buffer.py``): nested Python loops
 over rows, steps (reverse), agents (reverse) and tokens (reverse), reading values and already
 computed advantages out of the arrays by index. Unlike G1 it skips agents with no tokens (the
 link goes to the next agent that has tokens, searched explicitly), separates ``terminal`` from
 ``truncated``, and never crashes on an empty response. It deliberately does *not* use the
-unified carry formulation of ``marft_jax.rl.backups``; it follows the case analysis of §6.
+unified carry formulation of ``marft_jax.rl.backups``; it follows the per-level cases of
+docs/algorithm.md#action-level-backup and docs/algorithm.md#token-level-backup.
 
 Inputs are the canonical-layout arrays (``[S, B, N]`` or ``[S, B, N, K]``, ``[S, B]``, ``[B]``)
 as NumPy arrays; computation is in float64; outputs are float64 ``(advantages, returns)`` in the
 input layout, zero on invalid decision points. ``reward`` may be nonzero on any valid point
-(§6b has it only on an agent's last token; a reward inside a response is simply added to that
-token's delta).
+(the token-level backup has it only on an agent's last token; a reward inside a response is
+simply added to that token's delta).
 
 ``g1_masks=True`` mirrors G1's masks: the agent ``i -> i+1`` link of step s is multiplied by
 ``mask_s = 1 - terminal_{s-1}`` (``mask_0 = 1``), and the end of the row bootstraps whenever the
@@ -56,7 +57,7 @@ def _g1_step_mask(terminal, step_mask, s, b):
 
 def action_level_gae_reference(reward, value, dp_mask, step_mask, terminal, truncated, v_boot,
                                *, gamma, lam, g1_masks=False):
-    """§6(a): reverse over s, then i = N-1 .. 0, skipping invalid (s, i).
+    """docs/algorithm.md#action-level-backup: reverse over s, then i = N-1 .. 0, skipping invalid (s, i).
 
     Shapes: reward/value/dp_mask ``[S, B, N]``; step_mask/terminal/truncated ``[S, B]``;
     v_boot ``[B]``. Returns ``(adv, ret)`` ``[S, B, N]`` float64.
@@ -109,9 +110,9 @@ def action_level_gae_reference(reward, value, dp_mask, step_mask, terminal, trun
 
 def token_level_gae_reference(reward, value, dp_mask, step_mask, terminal, truncated, v_boot,
                               *, gamma, lam, g1_masks=False):
-    """§6(b): reverse over s, i, k; an agent's last token links to the first token of the next
-    agent with tokens (factor 1), the last such agent of a step to the first acting agent of the
-    next step (factor e_s), the end of the row to the bootstrap value.
+    """docs/algorithm.md#token-level-backup: reverse over s, i, k; an agent's last token links to
+    the first token of the next agent with tokens (factor 1), the last such agent of a step to the
+    first acting agent of the next step (factor e_s), the end of the row to the bootstrap value.
 
     Shapes: reward/value/dp_mask ``[S, B, N, K]``; step_mask/terminal/truncated ``[S, B]``;
     v_boot ``[B]``. Returns ``(adv, ret)`` ``[S, B, N, K]`` float64.
@@ -174,7 +175,7 @@ def token_level_gae_reference(reward, value, dp_mask, step_mask, terminal, trunc
 
 
 # ----------------------------------------------------------------------------------------------
-# §10 independent PPO
+# Independent PPO (docs/algorithm.md#independent-learners)
 
 
 def independent_gae_reference(reward, value, dp_mask, step_mask, terminal, truncated, v_boot,

@@ -1,6 +1,6 @@
 """Agent contexts: the chat messages each agent sees, and tokenizers that turn them into ids.
 
-Reference §3. For agent ``i`` at step ``s``::
+docs/algorithm.md#rollout-and-contexts. For agent ``i`` at step ``s``::
 
     system: profile_i
     user:   task_view_i ⊕ team_block(step 0)

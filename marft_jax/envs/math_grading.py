@@ -1,6 +1,6 @@
 """Math answer grading: extract the model's final answer and decide equivalence with the gold.
 
-Reference: ``docs/marft-reference.md`` section 4.
+Overview: docs/tasks.md#math-benchmarks-and-grading.
 
 Extraction (:func:`extract_answer`), in order, after Unicode math is spelled out
 (:func:`plain_math_text`: ``−``, ``10⁻³``, ``0.3̅``):

@@ -1,6 +1,6 @@
 """Agent profiles: each agent's role name and system prompt, and which agent answers.
 
-Named profile sets ship with the package (reference §11): ``math/single``, ``math/duo``,
+Named profile sets ship with the package (docs/algorithm.md#profiles): ``math/single``, ``math/duo``,
 ``math/trio``, ``math/quad`` and the same for ``code/``, as YAML files under
 ``marft_jax/profiles/<kind>/<team>.yaml``; ``<kind>/<team>-anonymous`` (duo, trio, quad) are
 built in code from the agent count (roles ``agent_1 ... agent_N``). :func:`load_profiles` takes
@@ -18,7 +18,8 @@ one of those names or the path of a YAML/JSON file with the same schema::
 
 Without any ``parents`` the team graph comes from ``team.graph`` (default: the chain); with
 ``parents`` on any agent the set defines its own graph (agents without the key read nobody),
-see :mod:`marft_jax.rl.topology`.
+see :mod:`marft_jax.rl.topology`, which checks that graph (unknown roles, cycles, idle roles)
+when the run's team is built (``train.build.build_team``, errors naming the profile).
 
 :func:`validate` checks a set against the run's number of agents.
 """
@@ -226,8 +227,4 @@ def validate(profiles: ProfileSet, num_agents: int | None = None) -> ProfileSet:
     if not 0 <= answer < n:
         raise ValueError(f"{where}: answer_agent={answer} is out of range for {n} agent(s) "
                          f"(valid: 0..{n - 1})")
-    if profiles.parents is not None:   # cycles, unknown and idle roles, named in the error
-        from marft_jax.rl import topology
-
-        topology.from_parents(profiles.parents, roles, [roles[answer]], source=where)
     return profiles

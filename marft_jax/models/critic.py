@@ -1,7 +1,7 @@
 """The centralized critic: the frozen base (no LoRA) + an MLP value head.
 
 ``V(h) = w3 · ReLU(W2 · ReLU(W1 · h))`` with ``W1: [H, 1024]``, ``W2: [1024, 512]``,
-``w3: [512]``, no biases, float32 (reference §5). ``h`` is the last-layer hidden state
+``w3: [512]``, no biases, float32 (docs/algorithm.md#critic). ``h`` is the last-layer hidden state
 (after the final norm) of the base model *without* any actor LoRA, taken at
 
 * action level: position ``L - 1`` of each agent's context (its last context token);

@@ -2,8 +2,8 @@
 
 The sequence of one (step, row, agent) is ``x = [ctx (L, left-padded) ‖ act (K, right-padded)]``;
 logits at position ``p`` predict token ``p + 1``, so action token ``k`` is predicted at position
-``L - 1 + k`` (reference §2). Log-probs are taken under the sampling temperature ``T``:
-``log_softmax(z / T)[a]``; entropies ``H = logsumexp(z/T) - Σ softmax(z/T)·z/T``.
+``L - 1 + k`` (docs/algorithm.md#notation-and-layout). Log-probs are taken under the sampling
+temperature ``T``: ``log_softmax(z / T)[a]``; entropies ``H = logsumexp(z/T) - Σ softmax(z/T)·z/T``.
 
 Logits are formed chunk by chunk over time inside a ``lax.scan`` whose body is wrapped in
 ``jax.checkpoint``: peak memory is O(batch·chunk·vocab) in the forward *and* the backward pass.

@@ -12,16 +12,28 @@ The update is ``y = x W + scale · (x A) B`` with ``scale = alpha / rank`` (PEFT
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import chex
 import flax.struct
 import jax
 import jax.numpy as jnp
 
-from marft_jax.config import LoraConfig
+from marft_jax.config import ConfigError, LoraConfig
 from marft_jax.models.config import ModelConfig
 
 # The projections an adapter can target (lora.targets names some of them).
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def check_targets(targets: Sequence[str]) -> None:
+    """Raise :class:`~marft_jax.config.ConfigError` naming ``lora.targets`` unless it names at
+    least one of :data:`TARGETS` and nothing else (called at build: ``train.build.check_names``)."""
+    if not targets:
+        raise ConfigError("lora.targets must name at least one module")
+    bad = [t for t in targets if t not in TARGETS]
+    if bad:
+        raise ConfigError(f"lora.targets: unknown module(s) {bad}; choose from {list(TARGETS)}")
 
 
 @flax.struct.dataclass

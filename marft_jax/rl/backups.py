@@ -1,17 +1,20 @@
-"""Bellman backups (GAE) along the execution order token -> agent -> step (reference §6, §10).
+"""Bellman backups (GAE) along the execution order token -> agent -> step
+(docs/algorithm.md#gae-backups).
 
-All backups use the unified formulation of §6(c). Per row, the decision points are flattened in
-execution order (``layout.flatten_decisions``) to one axis ``p = 0 .. P-1`` with validity
-``u_p``, reward ``r_p``, value ``V_p`` and link factor ``c_p``; a virtual point ``P`` with
-``V_P = V_end`` and ``A_P = 0`` is appended. With ``s(p)`` the next valid point after ``p``::
+All backups use one recurrence (docs/algorithm.md#one-recurrence-for-both). Per row, the
+decision points are flattened in execution order (``layout.flatten_decisions``) to one axis
+``p = 0 .. P-1`` with validity ``u_p``, reward ``r_p``, value ``V_p`` and link factor ``c_p``;
+a virtual point ``P`` with ``V_P = V_end`` and ``A_P = 0`` is appended. With ``s(p)`` the next
+valid point after ``p``::
 
     delta_p = r_p + gamma * c_p * V_{s(p)} - V_p
     A_p     = delta_p + gamma * lam * c_p * A_{s(p)}      (A_p = 0 where u_p = 0)
     R_p     = A_p + V_p                                    (R_p = 0 where u_p = 0)
 
-This one masked reverse linear recurrence reproduces §6(a) (action level, one point per agent)
-and §6(b) (token level): inside a response the next point is the next token; an agent's last
-token links to the first token of the next agent that produced tokens (factor 1); the last
+This one masked reverse linear recurrence reproduces the action-level backup (one point per
+agent, docs/algorithm.md#action-level-backup) and the token-level one
+(docs/algorithm.md#token-level-backup): inside a response the next point is the next token; an
+agent's last token links to the first token of the next agent that produced tokens (factor 1); the last
 such agent of step s links to the first acting agent of the next step (factor ``e_s``); agents
 and steps without tokens are skipped (no NaN, no crash).
 
@@ -157,7 +160,8 @@ def gae_time_major(
     impl: str = "scan",
     unroll: int = 1,
 ) -> jax.Array:
-    """The unified masked reverse GAE recurrence (§6c), decision points leading.
+    """The unified masked reverse GAE recurrence, decision points leading
+    (docs/algorithm.md#one-recurrence-for-both).
 
     Args:
       reward: ``[P, R]`` float, rewards placed on valid points (ignored elsewhere).
@@ -226,7 +230,8 @@ def _gae_blocked(
     gamma: float | jax.Array,
     lam: float | jax.Array,
 ) -> jax.Array:
-    """Blocked solve of the §6c recurrence, one block per response.
+    """Blocked solve of the recurrence, one block per response
+    (docs/algorithm.md#one-recurrence-for-both).
 
     Args:
       reward, value: ``[S, B, N, K]`` float32 (entries off valid points are ignored).
@@ -767,7 +772,8 @@ def action_level_gae(
     impl: str = "auto",
     reference_semantics: bool = False,
 ) -> Backup:
-    """MARFT-A backup (§6a). ``reward``, ``value``, ``dp_mask``: ``[S, B, N]``; see :func:`marft_gae`."""
+    """MARFT-A backup (docs/algorithm.md#action-level-backup). ``reward``, ``value``, ``dp_mask``:
+    ``[S, B, N]``; see :func:`marft_gae`."""
     if layout.level_of(value) != "action":
         raise AssertionError(f"action_level_gae: value must be [S, B, N], got {value.shape}")
     return marft_gae(reward, value, dp_mask, step_mask, terminal, truncated, v_boot,
@@ -788,7 +794,8 @@ def token_level_gae(
     impl: str = "auto",
     reference_semantics: bool = False,
 ) -> Backup:
-    """MARFT-T backup (§6b). ``reward``, ``value``, ``dp_mask``: ``[S, B, N, K]``; see :func:`marft_gae`."""
+    """MARFT-T backup (docs/algorithm.md#token-level-backup). ``reward``, ``value``, ``dp_mask``:
+    ``[S, B, N, K]``; see :func:`marft_gae`."""
     if layout.level_of(value) != "token":
         raise AssertionError(f"token_level_gae: value must be [S, B, N, K], got {value.shape}")
     return marft_gae(reward, value, dp_mask, step_mask, terminal, truncated, v_boot,
@@ -796,7 +803,8 @@ def token_level_gae(
 
 
 # ----------------------------------------------------------------------------------------------
-# Independent PPO (§10): no chaining, agent i at step s links to agent i at step s+1.
+# Independent PPO (docs/algorithm.md#independent-learners): no chaining, agent i at step s links
+# to agent i at step s+1.
 
 
 def independent_gae(

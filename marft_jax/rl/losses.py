@@ -1,4 +1,4 @@
-"""PPO losses for MARFT as exact (sum, count) reductions (reference §7, §9).
+"""PPO losses for MARFT as exact (sum, count) reductions (docs/algorithm.md#losses).
 
 Every loss returns a :class:`LossSums`: the *sum* of its masked per-element terms, the *count*
 of valid elements (the denominator), and metric sums over the same elements. Accumulate
@@ -80,7 +80,8 @@ def normalize_advantages(
     stats: tuple[jax.Array, jax.Array] | None = None,
     eps: float = 1e-8,
 ) -> jax.Array:
-    """``u * (A - mu) / (sigma + eps)`` over valid decision points (§7).
+    """``u * (A - mu) / (sigma + eps)`` over valid decision points
+    (docs/algorithm.md#advantage-normalization).
 
     ``mode="minibatch"`` (default) and ``"batch"`` differ only in *which* points the statistics
     come from: the caller passes the minibatch (or the whole batch) here, or passes
@@ -367,8 +368,9 @@ def global_norm(tree: Any) -> jax.Array:
 def clip_by_global_norm(tree: Any, max_norm: float | None) -> tuple[Any, jax.Array]:
     """Scales ``tree`` by ``min(1, max_norm / norm)``; returns ``(clipped, norm before clipping)``.
 
-    Use once per agent's LoRA gradient tree and once for the critic (§7). ``max_norm=None``
-    returns the tree unchanged (with its norm).
+    Use once per agent's LoRA gradient tree and once for the critic
+    (docs/algorithm.md#gradient-clipping-and-optimizers). ``max_norm=None`` returns the tree
+    unchanged (with its norm).
     """
     norm = global_norm(tree)
     if max_norm is None:

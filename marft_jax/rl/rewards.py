@@ -1,4 +1,4 @@
-"""Team-reward transform and placement on decision points (reference §4, §10).
+"""Team-reward transform and placement on decision points (docs/algorithm.md#rewards).
 
 Pipeline: ``score [S, B]`` -> :func:`final_step_reward` (the score of the step at which the
 episode ends, ``[B]``) -> :func:`transform_reward` -> :func:`place_reward` (``[S, B, N]`` or

@@ -2,10 +2,11 @@
 
 Within a step the graph's layers act in order; the agents of one layer generate for every
 active row in one batched sampler call (per-row adapter ids), and an agent's context holds the
-current-step outputs of its parents only. The chain (MARFT, reference §3) is N layers of one
-agent: agent ``i`` sees agents ``0 … i-1``. Independent PPO (``parallel`` mode, §10) is one
-layer of N: every agent sees only the task and earlier steps. The answering agents' outputs
-are scored; with several answerers the team's score is their mean.
+current-step outputs of its parents only (docs/algorithm.md#rollout-and-contexts). The chain
+(MARFT) is N layers of one agent: agent ``i`` sees agents ``0 … i-1``. Independent PPO
+(``parallel`` mode, docs/algorithm.md#independent-learners) is one layer of N: every agent sees
+only the task and earlier steps. The answering agents' outputs are scored; with several
+answerers the team's score is their mean.
 Multi-step episodes append the environment's feedback and continue until the answer is
 accepted (``score ≥ success_threshold``), the horizon is reached (terminal), or the step cap
 ``max_steps`` cuts them (truncated, bootstrapped from agent 0's next-step context).

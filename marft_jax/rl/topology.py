@@ -50,12 +50,29 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
+from marft_jax.config import ConfigError
+
 GRAPHS = ("chain", "independent", "mixture", "debate")
 LAYER_LINKS = ("chain", "layer")
 
 
 class TopologyError(ValueError):
     """An invalid team graph; the message names the roles involved."""
+
+
+def check_team_keys(graph: str | None, layer_links: str, mode: str) -> None:
+    """Raise :class:`~marft_jax.config.ConfigError` naming ``team.graph`` (one of :data:`GRAPHS`
+    or None, and the independent graph alone under ``rollout.mode=parallel``) or
+    ``team.layer_links`` (one of :data:`LAYER_LINKS`); called at build (``train.build.check_names``)."""
+    if graph is not None:
+        if graph not in GRAPHS:
+            raise ConfigError(f"team.graph={graph!r}: must be one of {list(GRAPHS)} or null (the profile's own "
+                              "'parents', else chain)")
+        if mode != "sequential" and graph != "independent":
+            raise ConfigError(f"team.graph={graph!r}: must be compatible with rollout.mode={mode!r} (parallel is "
+                              "the independent graph; set team.graph alone)")
+    if layer_links not in LAYER_LINKS:
+        raise ConfigError(f"team.layer_links={layer_links!r}: must be one of {list(LAYER_LINKS)}")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The rollout's output: one batch of arrays in the canonical layout, no strings.
 
 Every array carries the step axis first (S = 1 for single-step tasks), then
-``[batch, agent, token]`` (reference §2). Decoded texts stay on the host in
+``[batch, agent, token]`` (docs/algorithm.md#notation-and-layout). Decoded texts stay on the host in
 :class:`RolloutTexts` for scoring and logging; the training path only sees this pytree.
 """
 

@@ -1,6 +1,6 @@
 """PPO updates for the team: critic step, then the agents by schedule, all inside one jit.
 
-Schedules (reference §8):
+Schedules (docs/algorithm.md#agent-schedules):
 
 * ``sequential`` (default): a ``lax.scan`` over agents m = 0 … N-1 updates agent m's adapter
   with its own optimizer state (both stacked on the agent axis and passed as scan ``xs``). With
@@ -18,7 +18,7 @@ Schedules (reference §8):
 
 Every PPO epoch and minibatch runs inside the jitted :func:`ppo_update`. Micro-batches
 accumulate gradients of *sums* divided by the minibatch's total count, known beforehand from
-the masks, so they equal the full-minibatch masked mean (§9).
+the masks, so they equal the full-minibatch masked mean (docs/algorithm.md#micro-batches-and-exact-means).
 """
 
 from __future__ import annotations

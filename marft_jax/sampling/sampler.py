@@ -27,7 +27,7 @@ Token choice per step (``z``: float32 logits of one row):
   smallest set of most likely tokens whose probability reaches ``p``; the top token is always
   kept), then one inverse-CDF draw with a per-row uniform.
 * the returned log-prob is ``log_softmax(z / T)[a]`` at the sampling temperature (``T = 1``
-  when greedy), without top-k / top-p renormalisation (MARFT reference §3).
+  when greedy), without top-k / top-p renormalisation (docs/algorithm.md#sampling-and-log-probs).
 * next to it, the policy's own ``policy_logps = log_softmax(z / T_policy)[a]`` and full-vocabulary
   ``entropies = H(softmax(z / T_policy))`` (``T_policy`` traced, default 1): the quantities
   :func:`marft_jax.models.logprobs.action_logprobs` computes, so PPO can use them as its old
@@ -509,7 +509,7 @@ def decode_phases(prompt_len: int, max_new: int, *, first: int = 32, growth: flo
 
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
-    """User-facing sampling settings (MARFT reference §3: training T=1, eval T=0.6)."""
+    """User-facing sampling settings (docs/algorithm.md#sampling-and-log-probs: training T=1, eval T=0.6)."""
 
     max_new_tokens: int = 256
     temperature: float = 1.0

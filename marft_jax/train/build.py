@@ -18,15 +18,27 @@ from marft_jax.envs.scoring_pool import ScoringPool
 from marft_jax.envs.task import Task
 from marft_jax.models import attention as attention_lib
 from marft_jax.models import cache_attention
-from marft_jax.models import registry, sharding
+from marft_jax.models import lora, registry, sharding
 from marft_jax.rl import topology
 from marft_jax.rl.rollout import Team
 from marft_jax.rl.update import UpdateConfig
 from marft_jax.sampling.sampler import Sampler
 from marft_jax.train.hosts import ProcessRows
 from marft_jax.train.iteration import TeamLearner
+from marft_jax.train.metric_sinks import check_loggers
 from marft_jax.train.placement import Placement
 from marft_jax.train.prepare import AdvantageConfig
+
+
+def check_names(cfg: Config) -> Config:
+    """The keys whose values are a registry's names, each checked beside its registry (the LoRA
+    targets, the team graphs and their links, the metric sinks); :func:`marft_jax.config.validate`
+    checks the rest when the config is loaded. Raises :class:`ConfigError` naming the key; cheap,
+    so every entry point calls it before any work (``build_team``, ``build_run``, ``train``, the CLI)."""
+    lora.check_targets(cfg.lora.targets)
+    topology.check_team_keys(cfg.team.graph, cfg.team.layer_links, cfg.rollout.mode)
+    check_loggers(cfg.train.loggers, cfg.train.wandb.mode)
+    return cfg
 
 
 def build_task(cfg: Config) -> Task:
@@ -74,6 +86,7 @@ def build_task(cfg: Config) -> Task:
 
 
 def build_team(cfg: Config) -> Team:
+    check_names(cfg)
     prof = profiles_lib.validate(profiles_lib.load_profiles(cfg.team.profile), cfg.team.num_agents)
     answer = cfg.team.answer_agent if cfg.team.answer_agent is not None else prof.answer_agent
     graph = topology.resolve(cfg.team.graph, roles=prof.roles, answer_agent=answer, profile_parents=prof.parents,
@@ -152,6 +165,7 @@ class Run:
 
 def build_run(cfg: Config) -> Run:
     """Load the model and build the task, team, scorer and learner for ``cfg``."""
+    check_names(cfg)
     plan = distributed.initialize(cfg.dist)    # before anything that starts the XLA backend
     distributed.enable_compilation_cache(cfg.train.compilation_cache_dir)   # before the first compile
     team = build_team(cfg)

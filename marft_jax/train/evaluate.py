@@ -5,8 +5,8 @@ independent agents (every agent answers alone), whose agents' mean score reaches
 threshold (all correct, at 0/1 scores). Per-agent accuracy grades every agent's own output of the
 final step as if it answered (shows how far the chain carries the answer). The accuracy a run
 reports (:attr:`EvalResult.mean`) is the team accuracy, or for independent agents the mean of the
-per-agent accuracies (reference §10). Reference §12: T = 0.6, 5 seeds, mean ± population std of
-the per-seed accuracies.
+per-agent accuracies (docs/algorithm.md#evaluation). Reported numbers: T = 0.6, 5 seeds, mean ±
+population std of the per-seed accuracies.
 """
 
 from __future__ import annotations

@@ -185,6 +185,18 @@ def logger_problem(loggers: Sequence[str]) -> str | None:
     return None
 
 
+def check_loggers(loggers: Sequence[str], wandb_mode: str | None = None) -> None:
+    """Raise :class:`~marft_jax.config.ConfigError` naming ``train.loggers`` (:func:`logger_problem`)
+    or ``train.wandb.mode`` (:data:`WANDB_MODES` or None) for a value the sinks cannot take
+    (called at build: ``train.build.check_names``)."""
+    problem = logger_problem(loggers)
+    if problem is not None:
+        raise ConfigError(f"train.loggers={loggers!r}: must be {problem}")
+    if wandb_mode is not None and wandb_mode not in WANDB_MODES:
+        raise ConfigError(f"train.wandb.mode={wandb_mode!r}: must be one of {list(WANDB_MODES)} or null "
+                          "($WANDB_MODE, else offline)")
+
+
 def require_installed(loggers: Sequence[str], key: str = "train.loggers") -> None:
     """Raise :class:`~marft_jax.config.ConfigError` naming ``key`` and the pip extra when a named
     sink's package is missing (call at start-up, before any work)."""

@@ -1,6 +1,6 @@
 """Training metrics: the per-step writer, MFU, per-agent names and stage timers.
 
-Names follow the style guide §4 (``perf/throughput``, ``timing_s/<stage>``,
+Names are ``<area>/<name>`` paths (``perf/throughput``, ``timing_s/<stage>``,
 ``actor/<agent>/pg_loss``, ``critic/value_loss``, ...).
 
 :class:`MetricsWriter` turns each step's metrics into one host record and hands it to the

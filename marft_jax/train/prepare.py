@@ -6,9 +6,10 @@ token's log-prob under the policy itself (full vocabulary, the training temperat
 parameters), which is what a recompute forward would give up to float rounding (~1e-6), so the
 PPO ratio is 1 at the first minibatch to that precision. ``logp_old="recompute"`` runs the
 training forward instead (same kernels as the update; the ratio is then exactly 1) and logs the
-sampler's disagreement as ``rollout/logp_mismatch`` (reference §3). Critic features come from one
-base-only forward over *packed* sequences (:mod:`marft_jax.rl.packing`: work follows the valid
-tokens, not the context bucket) and are reused by every PPO epoch (§5).
+sampler's disagreement as ``rollout/logp_mismatch`` (docs/algorithm.md#sampling-and-log-probs).
+Critic features come from one base-only forward over *packed* sequences
+(:mod:`marft_jax.rl.packing`: work follows the valid tokens, not the context bucket) and are
+reused by every PPO epoch (docs/algorithm.md#critic).
 
 The host only plans: it packs the sequences (the packed shapes come from the lengths) and
 uploads the rows, gather indices and trajectory arrays once. Everything after that is one

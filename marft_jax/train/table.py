@@ -19,7 +19,7 @@ Input schema: every ``<run_dir>/eval/*.json`` is one result object::
 
 ``seeds`` is the team's verdict per seed: the answering agent's answer is accepted; for
 independent agents, every agent's (their mean score reaches the success threshold). The cell of
-an independent result is instead the mean of its per-agent accuracies (reference §10; per seed,
+an independent result is instead the mean of its per-agent accuracies (docs/algorithm.md#evaluation; per seed,
 :func:`headline_seeds`), and its all-correct ``seeds`` go to a row of their own,
 ``"<method> (all agents correct)"``. A file without ``"independent"`` (written before the key
 existed) is independent when its run's ``config.yaml`` says so (:func:`run_is_independent`),

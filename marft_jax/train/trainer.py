@@ -29,7 +29,7 @@ from marft_jax.config import Config, to_dict, to_yaml
 from marft_jax.envs.task import Problem, Task
 from marft_jax.profiling import StepProfiler
 from marft_jax.rl.state import TrainState, init_train_state
-from marft_jax.train.build import Run, build_run
+from marft_jax.train.build import Run, build_run, check_names
 from marft_jax.train.checkpoint import CheckpointManager, nonfinite_leaves
 from marft_jax.train.evaluate import EvalResult, evaluate
 from marft_jax.train.hosts import ProcessRows
@@ -180,6 +180,7 @@ def train(cfg: Config, *, resume: bool = True, stop_after: int | None = None) ->
       resume: continue from the newest valid checkpoint in the run directory, if any.
       stop_after: stop after this many iterations of *this* invocation (tests simulate a kill).
     """
+    check_names(cfg)
     require_installed(cfg.train.loggers)   # a missing wandb is a config error before any work
     run_dir = run_dir_for(cfg)
     run = build_run(cfg)                  # starts jax.distributed first where the run has processes
