@@ -123,3 +123,15 @@ def test_unknown_model_and_platform_mismatch_exit_2(monkeypatch, capsys):
     assert cli.main(["preflight", PAPER, "model.name=Qwen/Qwen2.5-1.5B-Instruct", "model.attention=splash",
                      "--platform", "cuda"]) == 2
     assert "model.attention='splash'" in capsys.readouterr().err
+
+
+def test_the_run_code_traces_as_on_the_target_backend():
+    """Per-backend choices made while tracing (here the backups' kernel: the CPU-only native
+    FFI call on one CPU device, which jax.export refuses for TPU) follow --platform."""
+    from marft_jax.rl import backups
+
+    with preflight.as_backend("tpu"):
+        assert jax.default_backend() == "tpu" and backups.resolve_impl("auto") == "associative"
+    with preflight.as_backend("cuda"):
+        assert jax.default_backend() == "gpu"
+    assert jax.default_backend() == "cpu"

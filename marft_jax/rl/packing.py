@@ -309,7 +309,7 @@ def attention_cost_of(cfg) -> float:
 
 
 def pack_group(seqs: Sequence[np.ndarray], read_start: Sequence[int], read_count: int, shape: Shape,
-               pad_id: int = 0, units: Sequence[Unit] | None = None
+               pad_id: int = 0, units: Sequence[Unit] | None = None, *, branches: bool = True
                ) -> tuple[tuple[PackedRows, ...], np.ndarray]:
     """Pack one group of token sequences into the classes of ``shape``.
 
@@ -319,6 +319,9 @@ def pack_group(seqs: Sequence[np.ndarray], read_start: Sequence[int], read_count
       read_count: ``P``, positions read per sequence (``read_start + p``, clamped to its last).
       shape: the static :data:`Shape` (from :class:`ShapePolicy`).
       units: the sequences grouped by :func:`share_prefixes` (default: one unit per sequence).
+      branches: emit ``branch_ids`` (shared prefixes). False: ``branch_ids`` is None, so the
+        forward needs no dense mask and runs on the segment-id kernels (Pallas, splash); the units
+        must then have no branches (built without chains).
     Returns:
       ``(one PackedRows of NumPy [rows_c, row_len_c] per class, gather [n, P] int32)``: flat
       indices into the classes' slots laid end to end (class ``c`` from ``Σ_{c'<c} rows·row_len``;
@@ -327,6 +330,8 @@ def pack_group(seqs: Sequence[np.ndarray], read_start: Sequence[int], read_count
     """
     if units is None:
         units = share_prefixes(seqs)
+    if not branches and any(u.branch.any() for u in units):
+        raise ValueError("pack_group(branches=False) got units with shared-prefix branches")
     lengths = np.asarray([len(u.tokens) for u in units], np.int64)
     placed = place_classes(lengths, shape)
     if placed is None:
@@ -349,7 +354,7 @@ def pack_group(seqs: Sequence[np.ndarray], read_start: Sequence[int], read_count
             for j, slots in zip(unit.members, unit.slots):
                 at = np.clip(int(read_start[j]) + offs, 0, len(slots) - 1)
                 gather[j] = base + r * row_len + o + slots[at]
-        out.append(PackedRows(tokens=tokens, segment_ids=seg, positions=pos, branch_ids=branch))
+        out.append(PackedRows(tokens=tokens, segment_ids=seg, positions=pos, branch_ids=branch if branches else None))
         base += rows * row_len
     return tuple(out), gather
 
@@ -528,17 +533,18 @@ def plan_update(ctx_tokens: np.ndarray, ctx_valid: np.ndarray, act_tokens: np.nd
         groups[k] = (seqs, share_prefixes(seqs, chains))
     shape = policy.choose([[len(u.tokens) for u in units] for _, units in groups.values()])
 
-    rows = [PackedRows(*(np.zeros((E, M, N, micro_batches * r, t), np.int32) for _ in range(4))) for r, t in shape]
+    names = ("tokens", "segment_ids", "positions") + (("branch_ids",) if share else ())
+    rows = [PackedRows(**{n: np.zeros((E, M, N, micro_batches * r, t), np.int32) for n in names}) for r, t in shape]
     gather = np.zeros((E, M, N, rows_per_agent, K), np.int32)
     for k in keys:
         e, m, i, v = k
         s_idx, b_idx = group_members(*k)
         seqs, units = groups[k]
         starts = np.maximum(n_ctx[s_idx, b_idx, i] - 1, 0)
-        classes, g = pack_group(seqs, starts, K, shape, pad_id, units=units)
+        classes, g = pack_group(seqs, starts, K, shape, pad_id, units=units, branches=share)
         for dst, src, (r, _) in zip(rows, classes, shape):
             sl = slice(v * r, (v + 1) * r)
-            for name in ("tokens", "segment_ids", "positions", "branch_ids"):
+            for name in names:
                 getattr(dst, name)[e, m, i, sl] = getattr(src, name)
         gather[e, m, i, v * per_micro:(v + 1) * per_micro] = g
     valid = int(sum(len(x) for seqs, _ in groups.values() for x in seqs))
