@@ -22,7 +22,7 @@ STAGE_KEYS = {"s", "valid_tokens", "computed_tokens", "flops_per_s", "roofline_f
 def test_bench_iteration_tiny_end_to_end():
     env = dict(os.environ, JAX_PLATFORMS="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
     cmd = [sys.executable, "-m", "marft_jax.bench.iteration", "--workload", "tiny", "--no-eos",
-           "--horizon", "1", "--roofline-n", "128", "--torch-threads", "1",
+           "--horizon", "1", "--roofline-n", "128", "--torch-threads", "1", "--bandwidth-mib", "16",
            "--concurrent-sides"]                                       # timings are not checked here
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -54,3 +54,29 @@ def test_bench_iteration_tiny_end_to_end():
     ours = report["ours"]
     assert ours["warmup_s"] and ours["warmup_s"][0] > 0
     assert ours["backend_compile_s"]["measured"] < 0.5 * ours["backend_compile_s"]["warmup"][0] + 1e-9
+    # the floor: each side's minimal work at this run's roofline and read bandwidth
+    fl = report["floor"]
+    assert fl["roofline_flops_per_s"] > 0 and fl["read_bytes_per_s"] > 0
+    floor_stages = ("prefill", "decode", "critic_features", "update")
+    for side in ("ours", "reference"):
+        r, f = report[side], fl[side]
+        assert f == r["floor_s"] and set(floor_stages) | {"rollout", "iteration"} <= set(f), side
+        for k in floor_stages:
+            w = r["floor_work"][k]
+            assert f[k] == pytest.approx(max(w["flops"] / fl["roofline_flops_per_s"],
+                                             w["bytes"] / fl["read_bytes_per_s"])) and f[k] > 0, (side, k)
+        assert f["iteration"] == pytest.approx(sum(f[k] for k in floor_stages))
+        over = report[f"{side}_over_floor"]
+        assert over == r["over_floor"] and over["iteration"] == pytest.approx(r["s"] / f["iteration"])
+        assert {"iteration", "rollout", "critic_features", "update"} <= set(over), side
+        assert all(v > 0.5 for v in over.values()), (side, over)     # nothing runs far below its floor
+        assert r["stages"]["update"]["floor_s"] == f["update"]
+    assert {"prefill", "decode"} <= set(report["ours_over_floor"])
+    # no EOS: 2 calls (one per agent) x 2 rows x 7 decode steps (the first token comes from the prefill)
+    assert report["ours"]["floor_work"]["decode"]["tokens"] == 2 * 2 * 7
+    # the reference's rollout was also timed without OMP_WAIT_POLICY=PASSIVE; the faster is kept
+    ref = report["reference"]
+    assert set(ref["rollout_s_by_omp_wait_policy"]) == {"PASSIVE", "unset"}
+    assert ref["stages"]["rollout"]["s"] == min(ref["rollout_s_by_omp_wait_policy"].values())
+    # per-agent padding: one context length per agent in each update minibatch
+    assert all(len(u["L"]) == 2 for u in ref["update_shapes"])

@@ -17,23 +17,10 @@ from marft_jax.config import ConfigError, RolloutConfig, load_config
 from marft_jax.envs.task import Problem, Score
 from marft_jax.rl import backups, layout, packing
 from marft_jax.rl.rollout import Generation, Team, min_budget, rollout
+from tests.char_tokenizer import CharTokenizer
 
 K = 8                       # every agent's budget; the fake sampler always fills it
 ROLES = ("planner", "solver")
-
-
-class CharTokenizer:
-    pad_id = 0
-    stop_ids = (1,)
-
-    def encode_text(self, text):
-        return [min(ord(c), 255) for c in text]
-
-    def encode_chat(self, messages):
-        return self.encode_text("".join(f"<{m['role']}>{m['content']}" for m in messages))
-
-    def decode(self, ids):
-        return "".join(chr(int(i)) for i in ids if int(i) > 1)
 
 
 class RecordingSampler:

@@ -16,20 +16,7 @@ from marft_jax.envs.profiles import load_profiles
 from marft_jax.envs.task import Problem, Score
 from marft_jax.rl import topology as topo
 from marft_jax.rl.rollout import Generation, Team, rollout
-
-
-class CharTokenizer:
-    pad_id = 0
-    stop_ids = (1,)
-
-    def encode_text(self, text):
-        return [min(ord(c), 255) for c in text]
-
-    def encode_chat(self, messages):
-        return self.encode_text("".join(f"<{m['role']}>{m['content']}" for m in messages))
-
-    def decode(self, ids):
-        return "".join(chr(int(i)) for i in ids if int(i) > 1)
+from tests.char_tokenizer import CharTokenizer
 
 
 class FakeSampler:

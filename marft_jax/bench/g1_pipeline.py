@@ -19,7 +19,8 @@ implementation (``marft/mas/mas.py``, ``marft/buffers/action_level_buffer.py``,
   truncated rows by one more critic forward; then G1's buffer loop for the backup
   (:func:`marft_jax.bench.reference_backups.action_level_gae_reference` with ``g1_masks``);
 * **update**: :class:`marft_jax.bench.update.G1Baseline`'s step (critic first, then every
-  agent), on the played (step, row) pairs flattened into rows, contexts padded to the longest,
+  agent), on the played (step, row) pairs flattened into rows, each agent's contexts padded to
+  that agent's longest (G1's ``get_token_logits`` tokenizes ``obs[:, agent_idx]`` per agent),
   actions to the token budget K, as G1's minibatch.
 
 Token counts and FLOPs are accumulated per stage (:class:`StageWork`), summed over the forward
@@ -254,11 +255,22 @@ class G1Pipeline(G1Baseline):
 
     # ---- update ----------------------------------------------------------------------------
 
+    @staticmethod
+    def agent_lengths(batch: UpdateBatch) -> list[int]:
+        """Each agent's padded context length in ``batch``: its longest context (left-padded)."""
+        valid = np.asarray(batch.ctx_valid)[0]                               # [R, N, L]
+        return [int(valid[:, i].sum(-1).max()) for i in range(valid.shape[1])]
+
     def load_update_data(self, batch: UpdateBatch) -> None:
-        """The minibatch tensors :class:`G1Baseline` reads, agent-major (as its constructor sets them)."""
+        """The minibatch tensors :class:`G1Baseline` reads, agent-major (as its constructor sets
+        them); the contexts as one ``[R, L_i]`` tensor per agent, padded to that agent's longest."""
         torch = self.torch
         t = lambda x, dt: torch.from_numpy(np.ascontiguousarray(np.moveaxis(np.asarray(x)[0], 1, 0)).astype(dt))
-        self.ctx, self.ctx_mask = t(batch.ctx_tokens, np.int64), t(batch.ctx_valid, np.int64)
+        lengths = self.agent_lengths(batch)
+        ctx, ctx_mask = t(batch.ctx_tokens, np.int64), t(batch.ctx_valid, np.int64)
+        width = ctx.shape[-1]
+        self.ctx = [ctx[i, :, width - n:].contiguous() for i, n in enumerate(lengths)]
+        self.ctx_mask = [ctx_mask[i, :, width - n:].contiguous() for i, n in enumerate(lengths)]
         self.act, self.act_mask = t(batch.act_tokens, np.int64), t(batch.act_valid, np.int64)
         self.act_len = self.act_mask.sum(-1)
         self.logp_old = t(batch.logp_old, np.float32).sum(-1)
@@ -277,9 +289,9 @@ class G1Pipeline(G1Baseline):
         for batch in batches:
             self.load_update_data(batch)
             self.step()
-            N, R, L = self.ctx.shape
-            K = self.act.shape[-1]
-            ctx, act = int(self.ctx_mask.sum()), int(self.act_mask.sum())
-            self.work["update"].add(ctx + 2 * (ctx + act), N * R * (L + 2 * (L + K)),
-                                    baseline_flops(self.cfg, R, N, L, K))
+            R, K = self.ctx[0].shape[0], self.act.shape[-1]
+            lengths = [c.shape[-1] for c in self.ctx]
+            ctx, act = sum(int(m.sum()) for m in self.ctx_mask), int(self.act_mask.sum())
+            self.work["update"].add(ctx + 2 * (ctx + act), sum(R * (L + 2 * (L + K)) for L in lengths),
+                                    sum(baseline_flops(self.cfg, R, 1, L, K) for L in lengths))
         return time.perf_counter() - t0

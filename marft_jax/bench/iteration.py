@@ -33,6 +33,17 @@ ours, ``torch`` for the reference; best of before and after).
 (step, row), as ``env_samples`` counts them; both sides may play a different number when
 episodes end on a correct answer).
 
+**The floor** (:mod:`marft_jax.bench.floor`, docs/benchmarks.md "The floor"): each side's
+minimal FLOPs and bytes per stage (prefill, decode, critic features, update) on its own
+trajectory, over the best float32 matmul roofline and read bandwidth (``jnp.sum`` over
+``--bandwidth-mib``) any side measured in this run; a stage's ``floor_s`` is
+``max(flops / roofline, bytes / bandwidth)``, the iteration's the sum. Reported per side as
+``floor_s`` and ``over_floor`` (measured / floor; ours also for prefill and decode apart), on
+the measured stages (the rollout holds prefill + decode), and at the top as ``floor``,
+``ours_over_floor`` and ``reference_over_floor``. With ``--reference-omp best`` (default) the
+reference's rollout runs once more in a rollout-only child without ``OMP_WAIT_POLICY=PASSIVE``
+and the faster rollout is kept (``rollout_s_by_omp_wait_policy``, ``rollout_omp_wait_policy``).
+
 Workloads: ``reference`` (the G1 sample run: dual team, MATH, 4 rows x horizon 3, 128 new
 tokens, T 0.5 / top-k 50, G1 raw prompts, APPO, SmolLM2-135M, float32, remat), ``long``
 (8 rows, horizon 1, 512 new tokens, long MATH problems so the actor's contexts reach ~1k
@@ -173,6 +184,34 @@ def _stage(s: float, valid: int, computed: int, flops: float, roofline: float) -
             "flops_per_s": flops / max(s, 1e-12), "roofline_fraction": flops / max(s, 1e-12) / roofline}
 
 
+def _weight_itemsize(params) -> int:
+    """Bytes per element of the base weights (their widest floating dtype)."""
+    import jax
+    import jax.numpy as jnp
+
+    return max(jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params) if jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def _floor_work(mcfg, cfg, learner, traj, itemsize: int) -> dict:
+    """This side's minimal work per floor stage (:func:`marft_jax.bench.floor.stage_work`) on
+    its own trajectory."""
+    from marft_jax.bench import floor
+
+    t = lambda x: None if x is None else np.asarray(x)
+    return floor.stage_work(mcfg, ctx_tokens=t(traj.ctx_tokens), ctx_valid=t(traj.ctx_valid),
+                            act_tokens=t(traj.act_tokens), act_valid=t(traj.act_valid), step_mask=t(traj.step_mask),
+                            boot_ctx_tokens=t(traj.boot_ctx_tokens), boot_ctx_valid=t(traj.boot_ctx_valid),
+                            critic_ctx_tokens=t(traj.critic_ctx_tokens), critic_ctx_valid=t(traj.critic_ctx_valid),
+                            itemsize=itemsize, epochs=cfg.ppo.epochs,
+                            happo=bool(learner.update_cfg.happo_weighting), critic_lora=bool(cfg.ppo.critic_lora))
+
+
+def _read_bandwidth(mib: int) -> float:
+    from marft_jax.train.peaks import measured_read_bandwidth
+
+    return measured_read_bandwidth(int(mib) << 20)
+
+
 def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
@@ -295,6 +334,8 @@ def run_ours(args) -> dict:
         problems = select_problems(run, wl, cfg.rollout.rows)
         key = jax.random.fold_in(jax.random.key(cfg.train.seed + 1), 0)
         roof = [matmul_roofline_flops(args.roofline_n)]
+        bandwidth = [_read_bandwidth(args.bandwidth_mib)]
+        itemsize = _weight_itemsize(run.model.params)
         warmup_s, warmup_compile_s = [], []
         for w in range(args.warmup):
             compile_s[0] = 0.0
@@ -310,6 +351,7 @@ def run_ours(args) -> dict:
         wall = time.perf_counter() - t0
         measured_compile = compile_s[0]
         roof.append(matmul_roofline_flops(args.roofline_n))
+        bandwidth.append(_read_bandwidth(args.bandwidth_mib))
     finally:
         run.close()
     roofline = max(roof)
@@ -324,7 +366,11 @@ def run_ours(args) -> dict:
     }
     env_steps = int(np.asarray(traj.step_mask).sum())
     return {
-        "side": "ours", "env_steps": env_steps, "s": wall, "s_per_env_step": wall / env_steps,
+        "side": "ours", "floor_work": _floor_work(mcfg, cfg, learner, traj, itemsize),
+        "read_bandwidth_bytes_per_s": max(bandwidth), "read_bandwidth_samples": bandwidth,
+        "rollout_split_s": {"prefill": m.get("timing_s/rollout/prefill"),
+                            "decode": m.get("timing_s/rollout/decode")},
+        "env_steps": env_steps, "s": wall, "s_per_env_step": wall / env_steps,
         "stages": stages, "peak_rss_bytes": _peak_rss_bytes(), "token_counts": source,
         "warmup_s": warmup_s, "compile_s": max(warmup_s[0] - wall, 0.0) if warmup_s else None,
         "backend_compile_s": {"warmup": warmup_compile_s, "measured": measured_compile},
@@ -371,6 +417,7 @@ def run_reference(args) -> dict:
         head0 = jax.tree.map(np.array, state.critic.head)
         rcfg = learner.rollout_cfg
         K = max(rcfg.budget(i) for i in range(n))
+        itemsize = _weight_itemsize(run.model.params)
         pipe = G1Pipeline(mcfg, run.model.params, lora0, head0, learner.update_cfg, act_len=K, pad_id=tok.pad_id,
                           stop_ids=tok.stop_ids, temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k,
                           top_p=cfg.rollout.top_p, no_eos=args.no_eos, seed=cfg.train.seed)
@@ -381,6 +428,7 @@ def run_reference(args) -> dict:
         problems = select_problems(run, wl, cfg.rollout.rows)
         key = jax.random.fold_in(jax.random.key(cfg.train.seed + 1), 0)
         roof = [torch_matmul_flops(args.roofline_n)]
+        bandwidth = [_read_bandwidth(args.bandwidth_mib)]
         t0 = time.perf_counter()
         first = tok.encode_text("Warm-up.")
         for i in range(n):
@@ -391,11 +439,17 @@ def run_reference(args) -> dict:
         traj, _ = rollout(problems, team=run.team, tokenizer=tok, generate=pipe.generate, score=run.pool.score,
                           cfg=rcfg, key=key)
         t1 = time.perf_counter()
+        if args.rollout_only:                                             # the OMP_WAIT_POLICY probe
+            return {"side": "reference", "rollout_only": True, "rollout_s": t1 - t0,
+                    "env_steps": int(np.asarray(traj.step_mask).sum()),
+                    "generated_tokens": int(np.asarray(traj.act_valid).sum()),
+                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
         batch = pipe.prepare(traj, gamma=cfg.gamma, lam=cfg.lam)
         t2 = time.perf_counter()
         pipe.update(batch)
         t3 = time.perf_counter()
         roof.append(torch_matmul_flops(args.roofline_n))
+        bandwidth.append(_read_bandwidth(args.bandwidth_mib))
     finally:
         run.close()
     roofline = max(roof)
@@ -406,17 +460,20 @@ def run_reference(args) -> dict:
     lengths = np.asarray(traj.act_valid).sum(-1)
     played = np.asarray(traj.step_mask)
     return {
-        "side": "reference", "env_steps": env_steps, "s": t3 - t0, "s_per_env_step": (t3 - t0) / env_steps,
+        "side": "reference", "floor_work": _floor_work(mcfg, cfg, learner, traj, itemsize),
+        "read_bandwidth_bytes_per_s": max(bandwidth), "read_bandwidth_samples": bandwidth,
+        "env_steps": env_steps, "s": t3 - t0, "s_per_env_step": (t3 - t0) / env_steps,
         "stages": stages, "peak_rss_bytes": _peak_rss_bytes(), "warmup_s": warmup_s,
         "generate_calls": pipe.work["rollout"].calls,
-        "update_shapes": [{"rows": int(b.ctx_tokens.shape[1]), "N": n, "L": int(b.ctx_tokens.shape[3]), "K": K}
+        "update_shapes": [{"rows": int(b.ctx_tokens.shape[1]), "N": n, "L": G1Pipeline.agent_lengths(b), "K": K}
                           for b in batch],
         "matmul_roofline_flops_per_s": roofline, "matmul_roofline_samples": roof,
         "completions_mean_length": {role: float(lengths[..., i][played].mean())
                                     for i, role in enumerate(run.team.roles)},
         "desc": ("HF generate per agent (own PEFT base copy), prompts padded to the call's longest; G1 critic "
                  "CausalLM forward + two policy forwards per (step, agent), [B,1,K,V] fp32 log-softmax, Python "
-                 "loops; G1 buffer-loop backup; bench/update.py G1Baseline step on each played step's rows (G1 updates once per one-step iteration)"),
+                 "loops; G1 buffer-loop backup; bench/update.py G1Baseline step on each played step's rows (G1 "
+                 "updates once per one-step iteration), each agent's contexts padded to its own longest"),
         "torch_version": torch.__version__, "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
     }
@@ -435,37 +492,102 @@ def _git_commit() -> dict:
         return {"commit": None, "dirty": None}
 
 
-def _side_command(side: str, argv: Sequence[str], model_dir: str | None, result: Path) -> tuple[list[str], dict]:
+def _side_command(side: str, argv: Sequence[str], model_dir: str | None, result: Path,
+                  omp_passive: bool = True) -> tuple[list[str], dict]:
+    """The child's command and environment; ``omp_passive=False``: the reference's rollout-only
+    probe without ``OMP_WAIT_POLICY`` (libgomp's default spin-then-sleep)."""
     cmd = [sys.executable, "-m", "marft_jax.bench.iteration", *argv, "--side", side, "--result", str(result)]
+    if not omp_passive:
+        cmd.append("--rollout-only")
     if model_dir is not None:
         cmd += ["--model-dir", model_dir]
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "cpu")
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's spinning OpenMP threads collapse on a shared CPU
+    if omp_passive:
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")   # torch's spinning OpenMP threads collapse on a shared CPU
+    else:
+        env.pop("OMP_WAIT_POLICY", None)
     env.setdefault("HF_HUB_OFFLINE", "1")
     env.setdefault("TRANSFORMERS_OFFLINE", "1")
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     return cmd, env
 
 
-def run_sides(sides: Sequence[str], argv: Sequence[str], model_dir: str | None, *, concurrent: bool) -> dict:
+def run_sides(sides: Sequence[str], argv: Sequence[str], model_dir: str | None, *, concurrent: bool,
+              omp_probe: bool = False) -> dict:
     """Each side in a fresh interpreter (its own peak RSS), one after the other (or all at once
-    with ``concurrent``: smoke tests only, the sides then share the CPU); JSON through files."""
+    with ``concurrent``: smoke tests only, the sides then share the CPU); JSON through files.
+    ``omp_probe``: after the reference, its rollout once more without ``OMP_WAIT_POLICY=PASSIVE``
+    (result key ``reference_omp_probe``)."""
+    runs = [(side, side, True) for side in sides]
+    if omp_probe and "reference" in sides:
+        runs.append(("reference_omp_probe", "reference", False))
     with tempfile.TemporaryDirectory() as tmp:
         jobs = []
-        for side in sides:
-            result = Path(tmp) / f"{side}.json"
-            cmd, env = _side_command(side, argv, model_dir, result)
+        for name, side, passive in runs:
+            result = Path(tmp) / f"{name}.json"
+            cmd, env = _side_command(side, argv, model_dir, result, omp_passive=passive)
             proc = subprocess.Popen(cmd, env=env, cwd=str(REPO), stdout=sys.stderr, stderr=sys.stderr)
             if not concurrent:
                 proc.wait()
-            jobs.append((side, cmd, proc, result))
+            jobs.append((name, cmd, proc, result))
         out = {}
-        for side, cmd, proc, result in jobs:
+        for name, cmd, proc, result in jobs:
             if proc.wait() != 0 or not result.is_file():
-                raise RuntimeError(f"the {side} side failed (exit status {proc.returncode}): {' '.join(cmd)}")
-            out[side] = json.loads(result.read_text())
+                raise RuntimeError(f"the {name} side failed (exit status {proc.returncode}): {' '.join(cmd)}")
+            out[name] = json.loads(result.read_text())
         return out
+
+
+def keep_faster_rollout(ref: dict, probe: dict) -> None:
+    """Keep the faster of the reference's rollout with ``OMP_WAIT_POLICY=PASSIVE`` (``ref``) and
+    without (``probe``, a rollout-only run), so the ratio does not flatter us; both are recorded.
+    The probe's time replaces the rollout stage only where it played the same env steps."""
+    st = ref["stages"]["rollout"]
+    label = lambda r: r.get("omp_wait_policy") or "unset"
+    ref["rollout_s_by_omp_wait_policy"] = {label(ref): st["s"], label(probe): probe["rollout_s"]}
+    ref["rollout_omp_wait_policy"] = label(ref)
+    if probe["rollout_s"] < st["s"] and probe["env_steps"] == ref["env_steps"]:
+        ref["s"] += probe["rollout_s"] - st["s"]
+        ref["s_per_env_step"] = ref["s"] / ref["env_steps"]
+        st.update(_stage(probe["rollout_s"], st["valid_tokens"], st["computed_tokens"], st["flops"],
+                         ref["matmul_roofline_flops_per_s"]))
+        ref["rollout_omp_wait_policy"] = label(probe)
+
+
+# the floor's stages -> the measured stage holding them
+_FLOOR_OF_STAGE = {"rollout": ("prefill", "decode"), "values_logprobs_backup": ("critic_features",),
+                   "update": ("update",)}
+
+
+def add_floors(results: dict) -> dict:
+    """Each side's ``floor_s`` (its own trajectory's minimal work, :mod:`marft_jax.bench.floor`,
+    at the best roofline and read bandwidth any side measured in this run) and ``over_floor``
+    (measured / floor) per floor stage, the rollout and the iteration; the stages get
+    ``floor_s`` / ``over_floor`` too. Returns the report's ``floor`` entry."""
+    from marft_jax.bench import floor
+
+    roof = max(r["matmul_roofline_flops_per_s"] for r in results.values())
+    bw = max(r["read_bandwidth_bytes_per_s"] for r in results.values())
+    out = {"roofline_flops_per_s": roof, "read_bytes_per_s": bw,
+           "model": "per stage max(flops / roofline, bytes / read bandwidth); the iteration is the sum "
+                    "(docs/benchmarks.md, 'The floor')"}
+    for side, r in results.items():
+        fl = floor.floor_seconds(r["floor_work"], roof, bw)
+        measured = {"iteration": r["s"]}
+        for stage, parts in _FLOOR_OF_STAGE.items():
+            f = sum(fl[p] for p in parts)
+            st = r["stages"][stage]
+            st["floor_s"], st["over_floor"] = f, st["s"] / f if f > 0 else None
+            measured["rollout" if stage == "rollout" else parts[0]] = st["s"]
+        fl["rollout"] = fl["prefill"] + fl["decode"]
+        for part, s in (r.get("rollout_split_s") or {}).items():
+            if s is not None:
+                measured[part] = s
+        r["floor_s"] = fl
+        r["over_floor"] = {k: s / fl[k] if fl[k] > 0 else None for k, s in measured.items()}
+        out[side] = fl
+    return out
 
 
 def _strip_side_args(argv: Sequence[str]) -> list[str]:
@@ -476,6 +598,8 @@ def _strip_side_args(argv: Sequence[str]) -> list[str]:
             continue
         if a in ("--side", "--result", "--model-dir"):
             skip = True
+            continue
+        if a == "--rollout-only":
             continue
         if a.startswith(("--side=", "--result=", "--model-dir=")):
             continue
@@ -495,12 +619,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--math-path", default=str(DEFAULT_MATH), help="MATH training problems (JSON)")
     p.add_argument("--roofline-n", type=int, default=2048, help="matmul size of the roofline")
     p.add_argument("--torch-threads", type=int, default=None, help="torch threads (default: os.cpu_count())")
+    p.add_argument("--bandwidth-mib", type=int, default=256, help="array size of the read-bandwidth measurement")
+    p.add_argument("--reference-omp", choices=["best", "passive"], default="best",
+                   help="best: also time the reference's rollout without OMP_WAIT_POLICY=PASSIVE and keep "
+                        "the faster; passive: PASSIVE only")
     p.add_argument("--sides", default="ours,reference", help="which sides to run, in order")
     p.add_argument("--concurrent-sides", action="store_true",
                    help="run the sides at the same time (smoke tests only: their timings then interfere)")
     p.add_argument("--side", choices=["ours", "reference"], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
+    p.add_argument("--rollout-only", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("overrides", nargs="*", help="extra config overrides key=value (both sides)")
     return p
 
@@ -530,7 +659,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     child_argv = _strip_side_args(argv)
     with tempfile.TemporaryDirectory(prefix="marft-bench-tiny-") as tmp:
         model_dir = str(write_tiny_model(Path(tmp) / "model")) if args.workload == "tiny" else None
-        results = run_sides(sides, child_argv, model_dir, concurrent=args.concurrent_sides)
+        results = run_sides(sides, child_argv, model_dir, concurrent=args.concurrent_sides,
+                            omp_probe=args.reference_omp == "best")
+    probe = results.pop("reference_omp_probe", None)
+    if probe is not None:
+        keep_faster_rollout(results["reference"], probe)
+    floors = add_floors(results)
     report: dict[str, Any] = {
         "bench": "iteration",
         "workload": args.workload,
@@ -553,6 +687,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         report["ratio_per_env_step"] = r["s_per_env_step"] / o["s_per_env_step"]
         report["ratio_per_stage"] = {k: (r["stages"][k]["s"] / r["env_steps"]) / (o["stages"][k]["s"] / o["env_steps"])
                                      for k in STAGES}
+    report["floor"] = floors
+    for side, r in results.items():
+        report[f"{side}_over_floor"] = r["over_floor"]
     print(json.dumps(report))
     return report
 

@@ -66,7 +66,7 @@ from marft_jax.bench.sampler import matmul_roofline_flops
 from marft_jax.config import AlgoConfig, LoraConfig, OptimConfig, PPOConfig
 from marft_jax.models import decoder, logprobs as lp_lib
 from marft_jax.models.config import ModelConfig
-from marft_jax.models.critic import critic_features, critic_features_fn, value_head
+from marft_jax.models.critic import critic_features_fn, padded_critic_features, value_head
 from marft_jax.models.lora import LoraStack
 from marft_jax.rl.update import UpdateBatch, UpdateConfig, ppo_update
 from marft_jax.rl.state import TrainState, init_train_state
@@ -120,8 +120,8 @@ def make_batch(cfg: ModelConfig, rows: int, agents: int, ctx_len: int, act_len: 
     agent_ids = jnp.asarray(np.broadcast_to(np.arange(N, dtype=np.int32), (S, B, N)).reshape(-1))
     logp, _ = lp_lib.action_logprobs(base, state.lora, agent_ids, flat(ctx), flat(ctx_valid), flat(act),
                                      flat(act_valid), 1.0, cfg=cfg)
-    feats = critic_features(base, flat(ctx), flat(ctx_valid), flat(act), flat(act_valid), cfg=cfg,
-                            token_level=False)
+    feats = padded_critic_features(base, flat(ctx), flat(ctx_valid), flat(act), flat(act_valid), cfg=cfg,
+                                   token_level=False)
     dp = act_valid.any(-1)
     v_old = value_head(state.critic.head, feats).reshape(S, B, N)
     adv = np.where(dp, rng.normal(size=dp.shape), 0).astype(np.float32)
@@ -307,7 +307,7 @@ class G1Baseline:
     def step(self) -> float:
         torch = self.torch
         u = self.ucfg.ppo
-        N, B, L = self.ctx.shape
+        N, B = len(self.ctx), self.ctx[0].shape[0]      # ctx: [N, B, L], or per agent [B, L_i]
         bd = {k: 0.0 for k in self.breakdown}
         t_start = time.perf_counter()
         # ---- critic: a full base forward per agent (no grad), head + value loss, Adam
@@ -334,6 +334,7 @@ class G1Baseline:
                 pm.set_adapter(self.roles[i])
             params_i, opt = self.policy_opts[i]
             opt.zero_grad()
+            L = self.ctx[i].shape[-1]
             ids = torch.cat([self.ctx[i], self.act[i]], -1)
             mask = torch.cat([self.ctx_mask[i], self.act_mask[i]], -1)
             with torch.no_grad():                                          # G1's rho logits, discarded
@@ -446,11 +447,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     s_, b_, n_, l_ = batch.ctx_tokens.shape
     flat = lambda x: x.reshape((s_ * b_ * n_,) + x.shape[3:])
     feat_args = (base, flat(batch.ctx_tokens), flat(batch.ctx_valid), flat(batch.act_tokens), flat(batch.act_valid))
-    jax.block_until_ready(critic_features(*feat_args, cfg=cfg, token_level=False))
+    jax.block_until_ready(padded_critic_features(*feat_args, cfg=cfg, token_level=False))
     feat_t = []
     for _ in range(max(args.repeats, 3)):
         t0 = time.perf_counter()
-        jax.block_until_ready(critic_features(*feat_args, cfg=cfg, token_level=False))
+        jax.block_until_ready(padded_critic_features(*feat_args, cfg=cfg, token_level=False))
         feat_t.append(time.perf_counter() - t0)
     jax_roof.append(matmul_roofline_flops(args.roofline_n))                     # again, after the load
     if baseline is not None:

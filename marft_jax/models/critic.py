@@ -79,4 +79,5 @@ def critic_features_fn(params, ctx_tokens, ctx_valid, act_tokens, act_valid, *, 
     return hidden[:, L - 1]
 
 
-critic_features = jax.jit(critic_features_fn, static_argnames=("cfg", "token_level", "remat"))
+# critic_features_fn compiled on its own, on padded rows (a trajectory's features are computed packed).
+padded_critic_features = jax.jit(critic_features_fn, static_argnames=("cfg", "token_level", "remat"))

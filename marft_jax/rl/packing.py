@@ -56,7 +56,7 @@ FORWARD_ATTENTION_WEIGHT = 0.7
 
 
 @dataclasses.dataclass(frozen=True)
-class Placement:
+class RowAssignment:
     """Where each sequence of one group went: ``row [n]`` (-1: not placed), ``start [n]`` (slot),
     ``rows`` used."""
 
@@ -65,7 +65,7 @@ class Placement:
     rows: int
 
 
-def first_fit_decreasing(lengths: Sequence[int], row_len: int, max_rows: int | None = None) -> Placement:
+def first_fit_decreasing(lengths: Sequence[int], row_len: int, max_rows: int | None = None) -> RowAssignment:
     """Place sequences of ``lengths`` into rows of ``row_len`` slots, longest first.
 
     Empty sequences (length 0) take no slot (row 0, start 0). Raises ``ValueError`` when a
@@ -93,7 +93,7 @@ def first_fit_decreasing(lengths: Sequence[int], row_len: int, max_rows: int | N
             free.append(row_len)
         row[j], start[j] = r, row_len - free[r]
         free[r] -= n
-    return Placement(row=row, start=start, rows=len(free))
+    return RowAssignment(row=row, start=start, rows=len(free))
 
 
 def align(n: int, multiple: int = ROW_ALIGN) -> int:
@@ -117,7 +117,7 @@ def class_of(lengths: Sequence[int], row_lens: Sequence[int]) -> np.ndarray:
     return np.searchsorted(row_lens, lengths, side="left").astype(np.int32)
 
 
-def place_classes(lengths: Sequence[int], shape: Shape) -> list[tuple[np.ndarray, Placement]] | None:
+def place_classes(lengths: Sequence[int], shape: Shape) -> list[tuple[np.ndarray, RowAssignment]] | None:
     """Place one group into the classes of ``shape``: each sequence goes to the first class whose
     rows are long enough (:func:`class_of`) and, when that class's rows are full, overflows to the
     next one (so a compiled shape keeps fitting as lengths drift). Returns per class
@@ -132,7 +132,7 @@ def place_classes(lengths: Sequence[int], shape: Shape) -> list[tuple[np.ndarray
         members = np.concatenate([pending, np.flatnonzero((cls == c) & (lengths > 0))])
         place = first_fit_decreasing(lengths[members], row_len, max_rows=rows)
         ok = place.row >= 0
-        out.append((members[ok], Placement(row=place.row[ok], start=place.start[ok], rows=place.rows)))
+        out.append((members[ok], RowAssignment(row=place.row[ok], start=place.start[ok], rows=place.rows)))
         pending = members[~ok]
     return None if pending.size else out
 

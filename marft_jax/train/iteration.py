@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import time
 from typing import Callable, Sequence
 
 import jax
@@ -120,6 +119,11 @@ class TeamLearner:
     # play / iteration take this process's problems and return the global trajectory.
     rows: ProcessRows = dataclasses.field(default_factory=ProcessRows)
 
+    @property
+    def roles(self) -> list[str]:
+        """The ``<agent>`` part of the per-agent metric names (:func:`~marft_jax.train.metrics.role_names`)."""
+        return metrics_lib.role_names(self.team.num_agents, self.team.roles)
+
     def _report(self, stage: str, seconds: float) -> None:
         if self.on_stage is not None:
             self.on_stage(stage, seconds)
@@ -184,48 +188,41 @@ class TeamLearner:
                    key) -> tuple[TrainState, dict, object]:
         timings = {}
         self.sampler.take_totals()
-        t0 = time.perf_counter()
-        with jax.profiler.TraceAnnotation("rollout"):
-            traj, texts = self.play(state, problems, key)
-        timings["timing_s/rollout"] = time.perf_counter() - t0
-        sampler_totals = self.sampler.take_totals()
-        self._report("rollout", timings["timing_s/rollout"])
+        with metrics_lib.Timer("step", timings):
+            with jax.profiler.TraceAnnotation("rollout"), metrics_lib.Timer("rollout", timings) as t:
+                traj, texts = self.play(state, problems, key)
+            sampler_totals = self.sampler.take_totals()
+            self._report("rollout", t.seconds)
 
-        t1 = time.perf_counter()
-        keep_ctx = not self.pack_sequences or state.critic.lora is not None
-        with jax.profiler.TraceAnnotation("prepare"), self.mesh_context():
-            batch, prep = prepare_update_batch(self.base, state.lora, state.critic, traj, cfg=self.cfg,
-                                               acfg=self.adv_cfg, shapes=self.prepare_shapes,
-                                               keep_contexts=keep_ctx, placement=self.placement)
-            jax.block_until_ready(batch.adv)
-        timings["timing_s/values_logprobs_backup"] = time.perf_counter() - t1
-        self._report("critic features + backup", timings["timing_s/values_logprobs_backup"])
+            keep_ctx = not self.pack_sequences or state.critic.lora is not None
+            with (jax.profiler.TraceAnnotation("prepare"), self.mesh_context(),
+                  metrics_lib.Timer("values_logprobs_backup", timings) as t):
+                batch, prep = prepare_update_batch(self.base, state.lora, state.critic, traj, cfg=self.cfg,
+                                                   acfg=self.adv_cfg, shapes=self.prepare_shapes,
+                                                   keep_contexts=keep_ctx, placement=self.placement)
+                t.ready(batch.adv)
+            self._report("critic features + backup", t.seconds)
 
-        mask, train_policy = self.train_mask(iteration, env_samples)
-        t2 = time.perf_counter()
-        with jax.profiler.TraceAnnotation("update"), self.mesh_context():
-            plan, pstats = self.update_plan(state, traj)
-            batch, plan = self.place_update(batch, plan)
-            self.check_update_memory(state, batch, plan, mask, train_policy)
-            # the rollout's and any compile's freed heap go back before the update's temporaries
-            host_memory.release_free_heap()
-            state, upd = ppo_update(self.base, state, batch, jnp.asarray(mask), jnp.asarray(train_policy),
-                                    cfg=self.cfg, ucfg=self.update_cfg, plan=plan)
-            jax.block_until_ready(state.lora)
-        timings["timing_s/update"] = time.perf_counter() - t2
-        host_memory.release_free_heap()          # the update's temporaries, before the next rollout
-        self._report("update", timings["timing_s/update"])
-        timings["timing_s/step"] = time.perf_counter() - t0
+            mask, train_policy = self.train_mask(iteration, env_samples)
+            with (jax.profiler.TraceAnnotation("update"), self.mesh_context(),
+                  metrics_lib.Timer("update", timings) as t):
+                plan, pstats = self.update_plan(state, traj)
+                batch, plan = self.place_update(batch, plan)
+                self.check_update_memory(state, batch, plan, mask, train_policy)
+                # the rollout's and any compile's freed heap go back before the update's temporaries
+                host_memory.release_free_heap()
+                state, upd = ppo_update(self.base, state, batch, jnp.asarray(mask), jnp.asarray(train_policy),
+                                        cfg=self.cfg, ucfg=self.update_cfg, plan=plan)
+                t.ready(state.lora)
+            host_memory.release_free_heap()          # the update's temporaries, before the next rollout
+            self._report("update", t.seconds)
 
         metrics = dict(timings)
         metrics.update(prep)
         metrics.update(self.episode_metrics(traj))
         metrics["rollout/sampler_calls"] = texts.sampler_calls
-        roles = self.team.roles
         upd = to_host(upd)
-        for name, values in upd["actor"].items():
-            for i, role in enumerate(roles):
-                metrics[f"actor/{role}/{name}"] = float(values[i])
+        metrics.update(metrics_lib.per_agent("actor", upd["actor"], self.roles))
         for name, value in upd["critic"].items():
             metrics[f"critic/{name}"] = float(value)
         metrics["actor/trained_agents"] = int(mask.sum()) if train_policy else 0
@@ -358,9 +355,11 @@ class TeamLearner:
              "episode/steps_mean": float(step_mask.sum(0).mean())}
         lengths = np.asarray(traj.act_valid).sum(-1)                             # [S, B, N]
         clipped = np.asarray(traj.budget_clipped)
-        for i, role in enumerate(self.team.roles):
-            played = step_mask
-            m[f"rewards/{role}/mean"] = float(final_agent_score[:, i].mean())
-            m[f"completions/{role}/mean_length"] = float(lengths[..., i][played].mean())
-            m[f"completions/{role}/clipped_ratio"] = float(clipped[..., i][played].mean())
+        # one agent at a time: the same reductions (and float rounding) as a per-agent slice
+        agents = range(self.team.num_agents)
+        m.update(metrics_lib.per_agent("rewards", {"mean": [final_agent_score[:, i].mean() for i in agents]},
+                                       self.roles))
+        m.update(metrics_lib.per_agent("completions", {
+            "mean_length": [lengths[..., i][step_mask].mean() for i in agents],
+            "clipped_ratio": [clipped[..., i][step_mask].mean() for i in agents]}, self.roles))
         return m
