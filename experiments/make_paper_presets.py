@@ -8,8 +8,8 @@ Each preset is ``paper/<task>-<team>-<method>-<model>[-g2].yaml``:
 * team: ``single``, ``duo``, ``trio``, ``quad`` (named roles) or ``<team>-anonymous``;
 * method: ``marft-a`` (action level), ``marft-t`` (token level, gamma = lam = 1), ``ippo``
   (independent PPO: ``rollout.mode: parallel``);
-* model: ``qwen2.5-1.5b`` / ``-3b`` / ``-7b`` (Instruct): a Hub id at a pinned commit, fetched into
-  the Hugging Face cache on first use;
+* model: ``qwen2.5-1.5b`` / ``-3b`` / ``-7b`` (Instruct) or ``qwen3-1.7b`` (post-trained): a Hub id
+  at a pinned commit, fetched into the Hugging Face cache on first use;
 * ``-g2``: the AReaL-based MARFT (G2) hyper-parameters of reference §13 instead of the
   ``marft_jax`` defaults column (token level with gamma = lam = 1, for ``marft-t`` and ``ippo``).
 
@@ -38,6 +38,8 @@ MODELS = {  # name token -> (Hub id, commit, micro-batches for 32 rows, remat)
     "qwen2.5-1.5b": ("Qwen/Qwen2.5-1.5B-Instruct", "989aa7980e4cf806f80c7fef2b1adb7bc71aa306", 2, False),
     "qwen2.5-3b": ("Qwen/Qwen2.5-3B-Instruct", "aa8e72537993ba99e69dfaafa59ed015b17504d1", 4, False),
     "qwen2.5-7b": ("Qwen/Qwen2.5-7B-Instruct", "a09a35458c702b33eeacc393d103063234e8bc28", 8, True),
+    # hidden 2048 like the 3B (28 layers instead of 36): the 3B's micro-batches
+    "qwen3-1.7b": ("Qwen/Qwen3-1.7B", "70d244cc86ccca08cf5af4e1e306ecf908b1ad5e", 4, False),
 }
 
 # name token -> (task section, profile kind, eval problems). task.path null: the pinned Hub
@@ -66,7 +68,7 @@ GRID: list[tuple[str, str, str, str, bool]] = (
     [("math", team, m, "qwen2.5-3b", False) for team in ("duo", "trio", "quad") for m in METHODS]
     + [("math", "single", m, "qwen2.5-3b", False) for m in ("marft-a", "marft-t")]
     # ... model size, anonymous roles, G2 hyper-parameters
-    + [("math", "duo", "marft-a", size, False) for size in ("qwen2.5-1.5b", "qwen2.5-7b")]
+    + [("math", "duo", "marft-a", size, False) for size in ("qwen2.5-1.5b", "qwen2.5-7b", "qwen3-1.7b")]
     + [("math", team, "marft-a", "qwen2.5-3b", False) for team in ("duo-anonymous", "trio-anonymous")]
     + [("math", "duo", "marft-t", "qwen2.5-3b", True), ("math", "duo", "ippo", "qwen2.5-3b", True),
        ("math", "duo", "marft-t", "qwen2.5-7b", True)]

@@ -122,7 +122,10 @@ class HFChatTokenizer:
     def encode_chat(self, messages: Sequence[Message]) -> list[int]:
         msgs = merge_consecutive_users(messages) if self._merge else list(messages)
         try:
-            out = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+            # enable_thinking=False: hybrid-reasoning templates (Qwen3) otherwise open a <think> block that
+            # spends the agent's token budget before the answer; other templates ignore the variable.
+            out = self.tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False,
+                                               enable_thinking=False)
         except Exception:  # templates that reject consecutive user turns
             if self._merge:
                 raise

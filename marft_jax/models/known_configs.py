@@ -5,8 +5,8 @@ device check's random models, CI) work offline. Each dict holds the fields
 :meth:`marft_jax.models.config.ModelConfig.from_hf` reads plus ``model_type``,
 ``architectures``, ``torch_dtype``, ``tie_word_embeddings``, ``vocab_size`` and the rope
 fields, with the values of the repository's own ``config.json`` on the Hub (main branch).
-Where each was checked is noted beside it. Families :class:`ModelConfig` does not support yet
-(Qwen3's q/k norm, Llama 3's ``rope_scaling``) raise ``UnsupportedConfigError`` there, not here.
+Where each was checked is noted beside it. Whether a family is supported is decided by
+:meth:`ModelConfig.from_hf` (Qwen3's q/k norm and Llama 3's ``llama3`` rope scaling are), not here.
 """
 
 from __future__ import annotations
