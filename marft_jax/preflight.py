@@ -85,10 +85,7 @@ def model_architecture(name: str, revision: str | None = None):
         return ModelConfig.from_hf(json.loads(cfg_file.read_text())), str(cfg_file)
     gguf = registry.embedded_gguf_path(name) if name in registry.NAMED_MODELS else path
     if str(gguf).endswith(".gguf") and Path(gguf).is_file():
-        reader = gguf_loader.open_gguf(gguf)
-        to_cfg = getattr(gguf_loader, "gguf_model_config", None)
-        cfg = to_cfg(reader) if to_cfg else ModelConfig.from_hf(gguf_loader.gguf_hf_config(reader))
-        return cfg, f"{gguf} (GGUF header)"
+        return gguf_loader.gguf_model_config(gguf_loader.open_gguf(gguf)), f"{gguf} (GGUF header)"
     if "/" in name and not path.exists():
         found = _hub_config(name, revision)
         if found is not None:
@@ -243,7 +240,7 @@ def learner(run: RunModel):
 
     cfg, model = run.config, run.model
     team = build_lib.build_team(cfg)
-    share = _share_prefixes(cfg, model)
+    share = build_lib.share_prefixes(cfg, model.attention)
     sampler = Sampler(model, pad_id=0, stop_ids=(1,), max_prompt_len=cfg.rollout.context_window)
     sampler.place_on(run.placement)
     return TeamLearner(
@@ -253,15 +250,6 @@ def learner(run: RunModel):
                                 independent=team.topology.independent, topology=team.topology,
                                 layer_links=team.layer_links, share_prefixes=share),
         pack_sequences=cfg.ppo.pack_sequences, share_prefixes=share, placement=run.placement)
-
-
-def _share_prefixes(cfg, model) -> bool:
-    from marft_jax.train import build as build_lib
-
-    rule = getattr(build_lib, "share_prefixes", None)
-    if rule is not None:
-        return bool(rule(cfg, model.attention))
-    return cfg.ppo.share_prefixes and model.attention in ("xla", "cudnn")     # build_run's rule
 
 
 # ------------------------------------------------------------------------------- sampler programs
@@ -282,37 +270,25 @@ def sampler_programs(run: RunModel, lrn, *, batch: int, sampling, label: str = "
                      prompt_lengths: Sequence[int] | None = None, phases: bool = True) -> Iterator[Program]:
     """The prefill at each prompt bucket (``prompt_lengths``: only those buckets) and the decode
     of each of its phases, for ``batch`` prompts sampled with ``sampling`` (a RolloutConfig),
-    the arguments built as :meth:`Sampler.__call__` builds them."""
+    the arguments built by :meth:`Sampler.prefill_call`, as a real call builds them."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
-    from marft_jax.sampling import buckets
     from marft_jax.sampling import sampler as sampler_lib
 
     sampler, model, placement = lrn.sampler, run.model, run.placement
-    rows = _rows_struct
     width = max(len(layer) for layer in lrn.team.topology.layers)
     lengths = prompt_lengths or prompt_buckets(run.config, sampler)
-    max_new = sampling.max_new_tokens
-    params = sampler_lib.SamplingParams.make(sampling.temperature, sampling.top_k, sampling.top_p,
-                                             policy_temperature=run.config.rollout.temperature)
-    static = dict(cfg=model, top_k_max=sampler_lib.top_k_bucket(sampling.top_k, model.vocab_size),
-                  use_top_p=sampling.top_p < 1.0)
-    stop = jnp.asarray(sampler_lib.stop_id_array(sampler.stop_ids))
+    config = sampler_lib.SamplingConfig(sampling.max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p)
     mesh = None if placement is None else placement.mesh
     for n in lengths:
-        padded = buckets.pad_prompts([[1] * n] * batch, pad_id=sampler.pad_id, min_length=sampler.min_prompt_bucket,
-                                     max_length=sampler.max_prompt_len, min_batch=sampler.min_batch,
-                                     max_batch=sampler.max_batch, fine_above=sampler.fine_above)
-        b, length = padded.tokens.shape
-        agent = (jax.ShapeDtypeStruct((), jnp.int32) if width == 1
-                 else rows(placement, jax.ShapeDtypeStruct((b,), jnp.int32), 0))
-        bounds = sampler_lib.decode_phases(length, max_new)
-        args = (run.base, run.state.lora, rows(placement, padded.tokens, 0), rows(placement, padded.valid, 0),
-                rows(placement, padded.active, 0), agent, stop, jax.random.key(0), params,
-                jnp.int32(max_new), jnp.int32(sampler.pad_id))
-        kwargs = dict(static, max_new_tokens=max_new, slots=length + bounds[0])
+        call = sampler.prefill_call([[1] * n] * batch, key=jax.random.key(0), config=config, lora=run.state.lora,
+                                    agent=0 if width == 1 else [0] * batch,
+                                    policy_temperature=run.config.rollout.temperature,
+                                    rows=lambda x: _rows_struct(placement, np.asarray(x), 0))
+        b, length = call.batch.tokens.shape
+        args, kwargs, static, bounds = (run.base, run.state.lora) + call.args, call.kwargs, call.static, call.phases
         yield Program(f"{label}prefill", f"{b} x {length} tokens", "rollout.context_window", sampler_lib.prefill,
                       args, kwargs, mesh)
         if not phases:
@@ -718,7 +694,7 @@ def main(args, load_config: Callable) -> int:
 
     t0 = time.perf_counter()
     cfg = load_config(args.config)
-    model, source = model_architecture(cfg.model.name, getattr(cfg.model, "revision", None))
+    model, source = model_architecture(cfg.model.name, cfg.model.revision)
     model = resolve_model(cfg, model, args.platform, args.devices)
     run = build(cfg, model, args.devices, args.platform)
     mesh = "one device" if run.placement is None else f"mesh {dict(run.placement.mesh.shape)}"

@@ -51,7 +51,7 @@ import functools
 import math
 import time
 import warnings
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import chex
 import flax.struct
@@ -561,6 +561,20 @@ class SamplerTotals:
     decode_bytes: float = 0.0
 
 
+@dataclasses.dataclass(frozen=True)
+class PrefillCall:
+    """One sampler call's padded ``batch``, :func:`prefill`'s ``args`` after the weights and
+    ``kwargs``, the ``static`` arguments :func:`decode` shares, the decode ``phases`` and the
+    token ``limit``."""
+
+    batch: buckets.PaddedBatch
+    args: tuple
+    kwargs: dict
+    static: dict
+    phases: tuple[int, ...]
+    limit: int
+
+
 class Sampler:
     """Host-side entry point: token-id lists in, NumPy results out (trimmed to the real rows).
 
@@ -628,6 +642,42 @@ class Sampler:
         out, self.totals = self.totals, SamplerTotals()
         return out
 
+    def prefill_call(self, prompts: Sequence[Sequence[int]], *, key: jax.Array,
+                     config: SamplingConfig = SamplingConfig(), lora: lora_lib.LoraStack | None = None,
+                     agent: int | Sequence[int] = 0, stop_ids: Sequence[int] | None = None,
+                     budget: int | None = None, policy_temperature: float = 1.0,
+                     rows: Callable[[np.ndarray], Any] | None = None) -> "PrefillCall":
+        """The padded batch and :func:`prefill`'s arguments after the weights for one call
+        (arguments as :meth:`__call__`). ``rows`` places a row-major array (default: the
+        sampler's row split; ``marft-jax preflight`` passes abstract placed shapes)."""
+        rows = rows or self._rows
+        batch = buckets.pad_prompts(prompts, pad_id=self.pad_id, min_length=self.min_prompt_bucket,
+                                    max_length=self.max_prompt_len, min_batch=self.min_batch,
+                                    max_batch=self.max_batch, fine_above=self.fine_above)
+        n, b = batch.num_real, batch.tokens.shape[0]
+        length = batch.tokens.shape[1]
+        if np.ndim(agent) == 0:
+            agent_arr = jnp.int32(agent)
+        else:
+            if len(agent) != n:
+                raise ValueError(f"agent has {len(agent)} entries for {n} prompts")
+            agent_arr = rows(np.pad(np.asarray(agent, np.int32), (0, b - n)))
+        if lora is None:
+            agent_arr = jnp.int32(0)
+        ids = self.stop_ids if stop_ids is None else tuple(int(i) for i in stop_ids)
+        sampling = SamplingParams.make(config.temperature, config.top_k, config.top_p,
+                                       policy_temperature=policy_temperature)
+        max_new = config.max_new_tokens
+        limit = int(np.clip(max_new if budget is None else budget, 1, max_new))
+        phases = decode_phases(length, max_new)
+        static = dict(cfg=self.cfg, top_k_max=top_k_bucket(config.top_k, self.cfg.vocab_size),
+                      use_top_p=config.top_p < 1.0)
+        args = (rows(batch.tokens), rows(batch.valid), rows(batch.active), agent_arr,
+                jnp.asarray(stop_id_array(ids)), key, sampling, jnp.int32(limit), jnp.int32(self.pad_id))
+        return PrefillCall(batch=batch, args=args, kwargs=dict(static, max_new_tokens=max_new,
+                                                               slots=length + phases[0]),
+                           static=static, phases=phases, limit=limit)
+
     def __call__(
         self,
         params: Params,
@@ -654,36 +704,16 @@ class Sampler:
             (traced, > 0).
         Returns a :class:`SampleResult` of NumPy arrays with ``len(prompts)`` rows.
         """
-        batch = buckets.pad_prompts(prompts, pad_id=self.pad_id, min_length=self.min_prompt_bucket,
-                                    max_length=self.max_prompt_len, min_batch=self.min_batch,
-                                    max_batch=self.max_batch, fine_above=self.fine_above)
-        n, b = batch.num_real, batch.tokens.shape[0]
-        length = batch.tokens.shape[1]
-        if np.ndim(agent) == 0:
-            agent_arr = jnp.int32(agent)
-        else:
-            if len(agent) != n:
-                raise ValueError(f"agent has {len(agent)} entries for {n} prompts")
-            agent_arr = self._rows(np.pad(np.asarray(agent, np.int32), (0, b - n)))
-        if lora is None:
-            agent_arr = jnp.int32(0)
-        ids = self.stop_ids if stop_ids is None else tuple(int(i) for i in stop_ids)
-        stop = jnp.asarray(stop_id_array(ids))
-        sampling = SamplingParams.make(config.temperature, config.top_k, config.top_p,
-                                       policy_temperature=policy_temperature)
-        top_k_max = top_k_bucket(config.top_k, self.cfg.vocab_size)
-        use_top_p = config.top_p < 1.0
-        max_new = config.max_new_tokens
-        limit = int(np.clip(max_new if budget is None else budget, 1, max_new))
-        phases = decode_phases(length, max_new)
+        call = self.prefill_call(prompts, key=key, config=config, lora=lora, agent=agent, stop_ids=stop_ids,
+                                 budget=budget, policy_temperature=policy_temperature)
+        batch, phases, limit = call.batch, call.phases, call.limit
+        n, (b, length) = batch.num_real, batch.tokens.shape
+        top_k_max, use_top_p = call.static["top_k_max"], call.static["use_top_p"]
         t0 = time.perf_counter()
         # Under the run's context mesh the decoder keeps the rows split (with mesh.fsdp: each
         # layer's weights gathered, not every row's partial sums all-reduced).
         with jax.profiler.TraceAnnotation("sampler/prefill"), self._mesh_context():
-            state = prefill(params, lora, self._rows(batch.tokens), self._rows(batch.valid),
-                            self._rows(batch.active), agent_arr, stop, key, sampling, jnp.int32(limit),
-                            jnp.int32(self.pad_id), cfg=self.cfg, max_new_tokens=max_new,
-                            top_k_max=top_k_max, use_top_p=use_top_p, slots=length + phases[0])
+            state = prefill(params, lora, *call.args, **call.kwargs)
             jax.block_until_ready(state.last)
         t1 = time.perf_counter()
         weight_bytes = sum(device_bytes(x) for x in jax.tree.leaves((params, lora)))
