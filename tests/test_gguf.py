@@ -9,6 +9,8 @@ llama.cpp's conventions independently of our loader).
 
 from __future__ import annotations
 
+import math
+
 import gguf
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +34,26 @@ def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) 
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """``LlamaModel.generate_extra_tensors`` of llama.cpp's convert_hf_to_gguf.py (the context
+    length is read from the rope dict here; the converter reads a top-level key, default 8192,
+    the same value for the Llama 3.x checkpoints)."""
+    base, factor = rope["rope_theta"], rope["factor"]
+    low, high, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.asarray(out, np.float32)
 
 
 def tiny_vocab(size: int) -> tuple[list[str], list[int], list[str]]:
@@ -59,8 +81,12 @@ def write_gguf(path, model, arch: str, quant=None) -> None:
     w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
-    if arch == "llama":
-        w.add_rope_dimension_count(c.hidden_size // c.num_attention_heads)
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    if arch == "qwen3":         # its head_dim need not be hidden / heads
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch in ("llama", "qwen3"):
+        w.add_rope_dimension_count(head_dim)
     tokens, types, merges = tiny_vocab(c.vocab_size)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -73,8 +99,8 @@ def write_gguf(path, model, arch: str, quant=None) -> None:
     w.add_add_bos_token(False)
     w.add_chat_template(CHATML)
 
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA if arch == "llama" else gguf.MODEL_ARCH.QWEN2,
-                                     c.num_hidden_layers)
+    model_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}[arch]
+    names = gguf.get_tensor_name_map(model_arch, c.num_hidden_layers)
     for hf_name, t in model.state_dict().items():
         if c.tie_word_embeddings and hf_name == "lm_head.weight":
             continue
@@ -89,6 +115,9 @@ def write_gguf(path, model, arch: str, quant=None) -> None:
             w.add_tensor(name, gguf.quants.quantize(arr, quant), raw_dtype=quant)
         else:
             w.add_tensor(name, arr)
+    if (getattr(c, "rope_parameters", None) or {}).get("rope_type") == "llama3":    # llama.cpp's rope_freqs
+        w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
+                     llama3_rope_factors(c.rope_parameters, head_dim))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -9,9 +9,6 @@ are written as llama.cpp's ``convert_hf_to_gguf.py`` writes them (``attn_q_norm`
 
 from __future__ import annotations
 
-import math
-
-import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +22,7 @@ from marft_jax.models.config import ModelConfig, UnsupportedConfigError  # noqa:
 from marft_jax.sampling import buckets  # noqa: E402
 from marft_jax.sampling import sampler as smp  # noqa: E402
 from tests import hf_tiny  # noqa: E402
-from tests.test_gguf import llama_cpp_permute, tiny_vocab  # noqa: E402
+from tests.test_gguf import write_gguf  # noqa: E402
 
 TOL = 1e-4
 # original_max_position_embeddings 64 (low/high wavelengths 64 / 16): with theta 5e5 and
@@ -193,70 +190,6 @@ def test_llama3_scaling_needs_its_fields():
 
 
 # ---------------------------------------------------------------------------------- GGUF
-
-
-def llama3_rope_factors(rope: dict, head_dim: int) -> np.ndarray:
-    """``LlamaModel.generate_extra_tensors`` of llama.cpp's convert_hf_to_gguf.py (the context
-    length is read from the rope dict here; the converter reads a top-level key, default 8192,
-    the same value for the Llama 3.x checkpoints)."""
-    base, factor = rope["rope_theta"], rope["factor"]
-    low, high, old = rope["low_freq_factor"], rope["high_freq_factor"], rope["original_max_position_embeddings"]
-    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    out = []
-    for freq in freqs:
-        wavelen = 2 * math.pi / freq
-        if wavelen < old / high:
-            out.append(1)
-        elif wavelen > old / low:
-            out.append(factor)
-        else:
-            smooth = (old / wavelen - low) / (high - low)
-            out.append(1 / ((1 - smooth) / factor + smooth))
-    return torch.tensor(out, dtype=torch.float32).numpy()
-
-
-def write_gguf(path, model, arch: str) -> None:
-    """``model`` as llama.cpp writes it: qwen3 keeps HF row order, llama permutes q/k rows."""
-    c = model.config
-    head_dim = c.head_dim
-    w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(c.num_hidden_layers)
-    w.add_context_length(c.max_position_embeddings)
-    w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.intermediate_size)
-    w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(float(c.rope_parameters["rope_theta"]))
-    w.add_layer_norm_rms_eps(c.rms_norm_eps)
-    w.add_vocab_size(c.vocab_size)
-    tokens, types, merges = tiny_vocab(c.vocab_size)
-    w.add_tokenizer_model("gpt2")
-    w.add_token_list(tokens)
-    w.add_token_types(types)
-    w.add_token_merges(merges)
-    w.add_eos_token_id(2)
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3 if arch == "qwen3" else gguf.MODEL_ARCH.LLAMA,
-                                     c.num_hidden_layers)
-    for hf_name, t in model.state_dict().items():
-        if c.tie_word_embeddings and hf_name == "lm_head.weight":
-            continue
-        base, suffix = hf_name.rsplit(".", 1)
-        arr = t.detach().numpy().astype(np.float32)
-        if arch == "llama" and hf_name.endswith("q_proj.weight"):
-            arr = llama_cpp_permute(arr, c.num_attention_heads, c.num_attention_heads)
-        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
-            arr = llama_cpp_permute(arr, c.num_attention_heads, c.num_key_value_heads)
-        w.add_tensor(f"{names.get_name(base)}.{suffix}", arr)
-    if c.rope_parameters.get("rope_type") == "llama3":
-        w.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight",
-                     llama3_rope_factors(c.rope_parameters, head_dim))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 @pytest.mark.parametrize("kind,arch", [("qwen3", "qwen3"), ("llama3", "llama")])
