@@ -4,7 +4,7 @@ XLA's compiled memory analysis (nothing 7B-sized is ever allocated).
 For each team and each ``(data, fsdp, tensor)`` mesh of D simulated CPU devices, the programs a
 training iteration runs are lowered and compiled (not run) with abstract base weights
 (``jax.ShapeDtypeStruct`` placed by the run's logical-axis rules) and the inputs placed as the
-training loop places them (:mod:`marft_jax.train.placement`, ``TeamLearner.place_update``,
+training loop places them (:mod:`marft_jax.models.placement`, ``TeamLearner.place_update``,
 ``Sampler.place_on``):
 
 * ``features``: the critic feature pass over the packed contexts, the value head and the backup
@@ -325,13 +325,15 @@ def _measure(args) -> dict:
     from marft_jax.config import MeshSection, load_config
     from marft_jax.models import decoder, sharding
     from marft_jax.models.config import ModelConfig
+    from marft_jax.rl import advantages
+    from marft_jax.rl.advantages import AdvantageConfig
     from marft_jax.rl.state import init_train_state
     from marft_jax.rl.update import UpdateBatch, ppo_update
     from marft_jax.sampling import buckets
     from marft_jax.sampling import sampler as sampler_lib
     from marft_jax.train import build, memory_plan, prepare
     from marft_jax.train.iteration import TeamLearner
-    from marft_jax.train.placement import Placement
+    from marft_jax.models.placement import Placement
 
     if jax.device_count() != args.devices:
         raise SystemExit(f"expected {args.devices} devices, have {jax.device_count()}")
@@ -412,10 +414,10 @@ def _measure(args) -> dict:
 
             # --- the feature pass (prepare_update_batch, under the run's mesh context)
             with learner.mesh_context():
-                acfg = prepare.AdvantageConfig(algo=cfg.algo, ppo=cfg.ppo, rollout=cfg.rollout, share_prefixes=share)
+                acfg = AdvantageConfig(algo=cfg.algo, ppo=cfg.ppo, rollout=cfg.rollout, share_prefixes=share)
                 calls, gather, n_main, fstats = prepare.feature_inputs(
                     traj, token_level=token_level, tokens_per_call=acfg.tokens_per_call,
-                    policy=learner.prepare_shapes.features, placement=placement, share=share)
+                    policy=learner.run_state.prepare.features, placement=placement, share=share)
                 backup = placement.replicate(jax.tree.map(np.asarray, prepare.backup_inputs(traj)))
                 plan("features", prepare._values_and_backups, base, state.critic, calls, gather, backup, cfg=mcfg,
                      acfg=acfg, n_main=n_main)
@@ -425,9 +427,9 @@ def _measure(args) -> dict:
             dp_shape = (S, B, N, K) if token_level else (S, B, N)
             feats = np.zeros(dp_shape + (mcfg.hidden_size,), ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else dtype)
             adv_out = jax.eval_shape(
-                prepare._advantages, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (
+                advantages.advantages, *(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (
                     f32(*dp_shape), traj.act_valid, traj.step_mask, traj.score, traj.agent_score, traj.terminal,
-                    traj.truncated, f32(B, N))), acfg=prepare.AdvantageConfig(algo=cfg.algo))
+                    traj.truncated, f32(B, N))), acfg=AdvantageConfig(algo=cfg.algo))
             value, dp, _, adv, ret = (np.zeros(x.shape, x.dtype) for x in adv_out)
             batch = UpdateBatch(ctx_tokens=None, ctx_valid=None, act_tokens=traj.act_tokens,
                                 act_valid=traj.act_valid, logp_old=traj.policy_logp, adv=adv, ret=ret, v_old=value,

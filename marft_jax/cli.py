@@ -70,10 +70,7 @@ def cmd_train(args) -> int:
 def cmd_eval(args) -> int:
     import itertools
 
-    import jax
-
-    from marft_jax.rl.state import init_train_state
-    from marft_jax.train.build import build_run
+    from marft_jax.train.build import build_run, fresh_state
     from marft_jax.train.checkpoint import CheckpointManager
     from marft_jax.train.evaluate import evaluate
     from marft_jax.train.trainer import method_fields
@@ -81,8 +78,7 @@ def cmd_eval(args) -> int:
     cfg = _load(args.config, "demo")
     run = build_run(cfg)
     try:
-        state = init_train_state(jax.random.key(0), run.model.cfg, cfg.lora, cfg.team.num_agents,
-                                 cfg.optim, critic_lora=cfg.ppo.critic_lora)
+        state = fresh_state(cfg, run.model.cfg, seed=0)
         source = "base model (fresh adapters = identity)"
         if args.run:
             ckpt = CheckpointManager(Path(args.run) / "checkpoints", async_save=False, read_only=True)
@@ -244,13 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.set_defaults(fn=cmd_generate)
 
-    b = sub.add_parser("bench", help="benchmarks printing JSON (sampler, backups, update, iteration, scaling)",
+    b = sub.add_parser("bench", help="benchmarks printing JSON (sampler, backups, update, iteration, scaling, "
+                                     "estimators)",
                        description="Run a benchmark; arguments after the name go to it (try `bench sampler --help`). "
                                    "`iteration`: one whole training iteration, ours vs the reference pipeline. "
                                    "`scaling --devices D`: per-device compiled FLOPs on D simulated CPU devices. "
+                                   "`estimators`: seconds per iteration, algo.advantage=group vs gae. "
                                    "`--profile DIR` (after the name) writes a jax.profiler trace of the run "
                                    "(of our measured iteration for `iteration`).")
-    b.add_argument("which", choices=["sampler", "backups", "update", "iteration", "scaling"])
+    b.add_argument("which", choices=["sampler", "backups", "update", "iteration", "scaling", "estimators"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
 

@@ -90,6 +90,9 @@ class RolloutConfig:
 
     mode: str = "sequential"            # sequential (MARFT chain) | parallel (independent PPO)
     rows: int = 8                       # episodes per rollout
+    # Episodes per problem: each problem is played by the team group_size times in consecutive
+    # rows (rows / group_size problems per rollout); algo.advantage=group baselines each group.
+    group_size: int = 1
     horizon: int = 1
     max_steps: Optional[int] = None
     max_new_tokens: int = 512           # per agent (the sampler's buffer size)
@@ -121,6 +124,10 @@ class AlgoConfig:
     """Decision level, rewards and backups."""
 
     level: str = "action"               # action (MARFT-A) | token (MARFT-T)
+    # The advantage estimator (marft_jax.rl.advantages): gae (MARFT's backups from the critic) |
+    # group (critic-free group baseline; rollout.group_size > 1) | any registered name.
+    advantage: str = "gae"
+    group_scale: str = "std"            # group: divide by the group's std (GRPO) | none (Dr. GRPO)
     gamma: Optional[float] = None       # default: 0.99 (action) / 1.0 (token)
     lam: Optional[float] = None         # default: 0.95 (action) / 1.0 (token)
     reward_to: str = "last"             # last | all
@@ -294,6 +301,7 @@ _CHOICES = {
     "rollout.overflow": ("truncate_history", "end_episode", "error"),
     "algo.level": ("action", "token"),
     "algo.reward_to": ("last", "all"),
+    "algo.group_scale": ("std", "none"),
     "ppo.value_loss": ("huber", "mse"),
     "ppo.adv_norm": ("minibatch", "batch", "none"),
     "ppo.logprob_norm": ("sum", "token", "word"),
@@ -315,7 +323,7 @@ def _get(cfg: Config, dotted: str) -> Any:
 def validate(cfg: Config) -> Config:
     """Range and choice checks; raises :class:`ConfigError` naming the dotted key. Keys whose
     values are a registry's names (``lora.targets``, ``team.graph``, ``team.layer_links``,
-    ``train.loggers``, ``train.wandb.mode``) are checked beside their registries, at build
+    ``train.loggers``, ``train.wandb.mode``, ``algo.advantage``) are checked beside their registries, at build
     (``marft_jax.train.build.check_names``): this module imports nothing of the package."""
     for key, choices in _CHOICES.items():
         if _get(cfg, key) not in choices:
@@ -372,6 +380,9 @@ def validate(cfg: Config) -> Config:
     need("ppo.micro_batches", (cfg.rollout.rows // cfg.ppo.num_minibatches) % cfg.ppo.micro_batches == 0,
          f"a divisor of the minibatch rows (rollout.rows / ppo.num_minibatches = "
          f"{cfg.rollout.rows // cfg.ppo.num_minibatches})")
+    need("rollout.group_size", cfg.rollout.group_size >= 1, ">= 1")
+    need("rollout.group_size", cfg.rollout.rows % cfg.rollout.group_size == 0,
+         f"a divisor of rollout.rows ({cfg.rollout.rows}): a rollout plays rows / group_size problems")
     need("algo.reward_scale", cfg.algo.reward_scale > 0, "> 0")
     if cfg.algo.reward_clip is not None:
         need("algo.reward_clip", cfg.algo.reward_clip > 0, "> 0 or null")

@@ -4,7 +4,7 @@ each process sees.
 Nothing here launches processes or moves data between them: every process runs the same
 command (SLURM ``srun``, a TPU pod's ``--worker=all``, or one command per host), JAX connects
 them (:func:`initialize`), and XLA does every collective from the shardings that
-:mod:`marft_jax.models.sharding` and :mod:`marft_jax.train.placement` give the arrays.
+:mod:`marft_jax.models.sharding` and :mod:`marft_jax.models.placement` give the arrays.
 """
 
 from __future__ import annotations

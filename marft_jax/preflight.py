@@ -12,7 +12,8 @@ each program the run compiles, with the attention implementation the run would u
   up to ``rollout.context_window``), ``decode`` at every phase of each bucket
   (:func:`~marft_jax.sampling.sampler.decode_phases`), for the training batch and, as
   ``eval prefill`` / ``eval decode``, for the evaluation batch;
-* ``features+backup`` (:func:`marft_jax.train.prepare._values_and_backups`), the log-prob
+* ``features+backup`` (:func:`marft_jax.train.prepare._values_and_backups`; ``backup``,
+  :func:`~marft_jax.train.prepare._critic_free_backups`, for a critic-free estimator), the log-prob
   ``recompute`` forward and the PPO ``update`` (its gradient inside) at the packed row classes the
   run's own planners (:class:`~marft_jax.rl.packing.ShapePolicy`) pick for synthetic rollouts
   of short, typical and long sequences, plus single-class rows of :data:`KERNEL_LENGTHS`
@@ -145,7 +146,7 @@ class Program:
 @dataclasses.dataclass
 class RunModel:
     """The run as preflight sees it: the config, its resolved model (attention included), the
-    parameter dtype, the placement (None on one device) and the abstract base weights / state."""
+    parameter dtype, the placement (a 1-device mesh on one device) and the abstract base weights / state."""
 
     config: Any
     model: Any
@@ -183,30 +184,29 @@ def resolve_model(cfg, model, platform: str, devices: int, attention: str | None
 
 
 def build(cfg, model, devices: int, platform: str) -> RunModel:
-    """The run's placement over the first ``devices`` devices (None for one, as ``build_run``)
-    and its abstract base weights (sharded by the placement's rules) and train state."""
+    """The run's placement over the first ``devices`` devices (a 1-device mesh for one, as
+    ``build_run``) and its abstract base weights (sharded by the placement's rules) and train state."""
     import jax
 
     from marft_jax import distributed
     from marft_jax.models import decoder
+    from marft_jax.models.placement import Placement
+    from marft_jax.rl import advantages
     from marft_jax.rl.state import init_train_state
-    from marft_jax.train.placement import Placement
 
     if jax.device_count() < devices:
         raise PreflightError(f"--devices {devices}: this process has {jax.device_count()} devices")
     dtype = platform_dtype(cfg, platform)
-    placement = None
-    if devices > 1:
-        mesh = distributed.build_mesh(cfg.mesh, model, rows=cfg.rollout.rows, devices=jax.devices()[:devices])
-        placement = Placement(mesh, strict=cfg.mesh.strict)
+    mesh = distributed.build_mesh(cfg.mesh, model, rows=cfg.rollout.rows, devices=jax.devices()[:devices])
+    placement = Placement(mesh, strict=cfg.mesh.strict)
     base = jax.eval_shape(functools.partial(decoder.init_params, cfg=model, dtype=dtype), jax.random.key(0))
     state = jax.eval_shape(functools.partial(init_train_state, cfg=model, lora_cfg=cfg.lora,
                                              num_agents=cfg.team.num_agents, optim=cfg.optim,
-                                             critic_lora=cfg.ppo.critic_lora), jax.random.key(0))
-    if placement is not None:
-        shard = placement.base_shardings(base)
-        base = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), base, shard)
-        state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placement.replicated), state)
+                                             critic_lora=cfg.ppo.critic_lora,
+                                             critic=advantages.needs_critic(cfg.algo)), jax.random.key(0))
+    shard = placement.base_shardings(base)
+    base = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), base, shard)
+    state = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=placement.replicated), state)
     return RunModel(config=cfg, model=model, dtype=dtype, placement=placement, base=base, state=state)
 
 
@@ -217,8 +217,6 @@ def _rows_struct(placement, x, axis: int):
 
     if x is None:
         return None
-    if placement is None:
-        return jax.ShapeDtypeStruct(x.shape, x.dtype)
     ok = x.ndim > axis and x.shape[axis] % placement.row_shards == 0
     return jax.ShapeDtypeStruct(x.shape, x.dtype,
                                 sharding=placement.row_sharding(x.ndim, axis) if ok else placement.replicated)
@@ -236,7 +234,7 @@ def learner(run: RunModel):
     from marft_jax.sampling.sampler import Sampler
     from marft_jax.train import build as build_lib
     from marft_jax.train.iteration import TeamLearner
-    from marft_jax.train.prepare import AdvantageConfig
+    from marft_jax.rl.advantages import AdvantageConfig
 
     cfg, model = run.config, run.model
     team = build_lib.build_team(cfg)
@@ -281,7 +279,7 @@ def sampler_programs(run: RunModel, lrn, *, batch: int, sampling, label: str = "
     width = max(len(layer) for layer in lrn.team.topology.layers)
     lengths = prompt_lengths or prompt_buckets(run.config, sampler)
     config = sampler_lib.SamplingConfig(sampling.max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p)
-    mesh = None if placement is None else placement.mesh
+    mesh = placement.mesh
     for n in lengths:
         call = sampler.prefill_call([[1] * n] * batch, key=jax.random.key(0), config=config, lora=run.state.lora,
                                     agent=0 if width == 1 else [0] * batch,
@@ -322,8 +320,6 @@ def _decode_state(prefilled, run: RunModel, slots: int):
         axis = 1 if in_cache else 0
         if x.ndim > axis and x.shape[axis] == batch:
             return _rows_struct(run.placement, x, axis)
-        if run.placement is None:
-            return jax.ShapeDtypeStruct(x.shape, x.dtype)
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=run.placement.replicated)
 
     return jax.tree_util.tree_map_with_path(place, state)
@@ -410,22 +406,26 @@ def training_programs(run: RunModel, lrn, traj, *, label: str, shapes=None,
     from marft_jax.train import prepare
 
     cfg, model, placement = run.config, run.model, run.placement
-    mesh = None if placement is None else placement.mesh
+    mesh = placement.mesh
     acfg = lrn.adv_cfg
-    feat_policy, lp_policy, upd_policy = shapes or (lrn.prepare_shapes.features, lrn.prepare_shapes.logprobs,
-                                                    lrn.update_shapes)
+    feat_policy, lp_policy, upd_policy = shapes or (lrn.run_state.prepare.features, lrn.run_state.prepare.logprobs,
+                                                    lrn.run_state.update)
     S, B, N, L, K = traj.shape
-    # Feature pass + backup (prepare_update_batch's device program).
-    calls, gather, n_main, _ = prepare.feature_inputs(traj, token_level=acfg.algo.token_level,
-                                                      tokens_per_call=acfg.tokens_per_call, policy=feat_policy,
-                                                      placement=placement, share=acfg.share_prefixes)
     backup = prepare._upload(placement, jax.tree.map(np.asarray, prepare.backup_inputs(traj)))
-    critic = CriticParams(head=run.state.critic.head, lora=run.state.critic.lora)
-    fargs = (run.base, critic, _abstract(calls), _abstract(gather), _abstract(backup))
-    fkw = dict(cfg=model, acfg=acfg, n_main=n_main)
-    classes = packing.format_shape(tuple(c.tokens.shape[-2:] for c in calls))
-    yield Program("features+backup", f"{label}: {calls[0].tokens.shape[0]} calls of {classes}",
-                  "ppo.share_prefixes, rollout.rows", prepare._values_and_backups, fargs, fkw, mesh)
+    if run.state.critic is None:   # a critic-free estimator: the backup alone
+        fn, fargs, fkw = prepare._critic_free_backups, (_abstract(backup),), dict(acfg=acfg)
+        yield Program("backup", f"{label}: {S} steps x {B} rows x {N} agents", "algo.advantage, rollout.group_size",
+                      fn, fargs, fkw, mesh)
+    else:                          # feature pass + backup (prepare_update_batch's device program)
+        calls, gather, n_main, _ = prepare.feature_inputs(traj, token_level=acfg.algo.token_level,
+                                                          tokens_per_call=acfg.tokens_per_call, policy=feat_policy,
+                                                          placement=placement, share=acfg.share_prefixes)
+        critic = CriticParams(head=run.state.critic.head, lora=run.state.critic.lora)
+        fn, fargs = prepare._values_and_backups, (run.base, critic, _abstract(calls), _abstract(gather), _abstract(backup))
+        fkw = dict(cfg=model, acfg=acfg, n_main=n_main)
+        classes = packing.format_shape(tuple(c.tokens.shape[-2:] for c in calls))
+        yield Program("features+backup", f"{label}: {calls[0].tokens.shape[0]} calls of {classes}",
+                      "ppo.share_prefixes, rollout.rows", fn, fargs, fkw, mesh)
     # The recompute forward (ppo.logp_old=recompute): recompute_logprobs' arguments.
     perms = np.arange(B, dtype=np.int32)[None, None]
     plan, _ = packing.plan_update(np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid), np.asarray(traj.act_tokens),
@@ -439,31 +439,26 @@ def training_programs(run: RunModel, lrn, traj, *, label: str, shapes=None,
                   "ppo.logp_old (sampler skips it)", prepare._packed_logprobs, largs,
                   dict(cfg=model, chunk=acfg.chunk), mesh)
     # The update: the batch prepare_update_batch returns, placed as the learner places it.
-    out = prepare._values_and_backups.trace(*fargs, **dict(fkw, cfg=_shape_model(model))).out_info
-    keep_ctx = not lrn.pack_sequences or run.state.critic.lora is not None
+    out = fn.trace(*fargs, **(fkw if run.state.critic is None else dict(fkw, cfg=_shape_model(model)))).out_info
+    keep_ctx = not lrn.pack_sequences or (run.state.critic is not None and run.state.critic.lora is not None)
     host = jax.tree.map(np.asarray, dict(act_tokens=traj.act_tokens, act_valid=traj.act_valid,
                                          logp=traj.policy_logp, word_count=traj.word_count,
                                          ctx_tokens=traj.ctx_tokens, ctx_valid=traj.ctx_valid))
     batch = UpdateBatch(ctx_tokens=host["ctx_tokens"] if keep_ctx else None,
                         ctx_valid=host["ctx_valid"] if keep_ctx else None,
                         act_tokens=host["act_tokens"], act_valid=host["act_valid"], logp_old=host["logp"],
-                        adv=out.adv, ret=out.ret, v_old=out.value, dp_mask=out.dp, feats=out.feats,
+                        adv=out.adv, ret=None if run.state.critic is None else out.ret,
+                        v_old=None if run.state.critic is None else out.value, dp_mask=out.dp, feats=out.feats,
                         word_count=host["word_count"])
     batch = jax.tree.map(lambda x: _rows_struct(placement, x, layout.BATCH_AXIS), batch)
     state = run.state.replace(rng=jax.random.key(cfg.train.seed))
-    own, lrn.update_shapes = lrn.update_shapes, upd_policy
-    try:
-        plan, _ = lrn.update_plan(state, traj)
-    finally:
-        lrn.update_shapes = own
+    plan, _ = lrn.update_plan(state, traj, policy=upd_policy)
     if plan is not None:
         _, plan = lrn.place_update(None, plan)
         plan = _abstract(plan)
     rows = "padded" if plan is None else "packed rows " + packing.format_shape(
         tuple(r.tokens.shape[-2:] for r in plan.rows))
-    mask, flag = jnp.ones((N,), bool), jnp.asarray(True)
-    if placement is not None:
-        mask, flag = placement.replicate(np.ones((N,), bool)), placement.replicate(np.asarray(True))
+    mask, flag = placement.replicate(np.ones((N,), bool)), placement.replicate(np.asarray(True))
     # model.remat=auto on an accelerator: the learner picks the first of these whose memory plan fits
     # (TeamLearner.check_update_memory), so each may be the run's program.
     remats = [lrn.update_cfg.remat]
@@ -484,15 +479,16 @@ def fixed_shape_policies(lrn, traj, row_len: int):
     at most ``row_len`` tokens, one step: no shared-prefix units longer than a sequence) one per
     row into single-class rows of ``row_len`` slots."""
     S, B, N = traj.shape[:3]
-    multiple = lrn.update_shapes.row_multiple
+    multiple = lrn.run_state.update.row_multiple
     ppo = lrn.update_cfg.ppo
 
     def fixed(policy, rows: int):
         rows = -(-rows // multiple) * multiple
         return dataclasses.replace(policy, seen=[((rows, row_len),)], reuse_slack=float("inf"))
 
-    return (fixed(lrn.prepare_shapes.features, S * B * N + B * N), fixed(lrn.prepare_shapes.logprobs, S * B),
-            fixed(lrn.update_shapes, S * (B // ppo.num_minibatches) // ppo.micro_batches))
+    shapes = lrn.run_state
+    return (fixed(shapes.prepare.features, S * B * N + B * N), fixed(shapes.prepare.logprobs, S * B),
+            fixed(shapes.update, S * (B // ppo.num_minibatches) // ppo.micro_batches))
 
 
 # ------------------------------------------------------------------------------- lowering
@@ -623,7 +619,7 @@ def run_programs(programs: Iterator[Program], platform: str, attention: str, *, 
     return outcomes
 
 
-PROGRAMS = ("prefill", "decode", "features+backup", "recompute", "update", "eval")
+PROGRAMS = ("prefill", "decode", "features+backup", "backup", "recompute", "update", "eval")
 
 
 def all_programs(run: RunModel, *, profiles: Sequence[str] = PROFILES, kernel_lengths: Sequence[int] = KERNEL_LENGTHS,
@@ -638,7 +634,7 @@ def all_programs(run: RunModel, *, profiles: Sequence[str] = PROFILES, kernel_le
     if {"prefill", "decode"} & set(only):
         yield from filter(wanted, sampler_programs(run, lrn, batch=cfg.rollout.rows * width, sampling=cfg.rollout,
                                                    prompt_lengths=prompt_lengths, phases="decode" in only))
-    if {"features+backup", "recompute", "update"} & set(only):
+    if {"features+backup", "backup", "recompute", "update"} & set(only):
         for profile in profiles:
             traj = synthetic_trajectory(cfg, profile, vocab=run.model.vocab_size)
             yield from filter(wanted, training_programs(run, lrn, traj, label=profile, schedules=schedules))
@@ -663,7 +659,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--devices", type=int, default=1, help="devices of the run's mesh (simulated here)")
     p.add_argument("--programs", default=None,
                    help="comma-separated program names to lower (default all): prefill, decode, features+backup, "
-                        "recompute, update, eval")
+                        "backup (a critic-free estimator's), recompute, update, eval")
 
 
 def _rerun_with_devices(args) -> int:
@@ -697,7 +693,7 @@ def main(args, load_config: Callable) -> int:
     model, source = model_architecture(cfg.model.name, cfg.model.revision)
     model = resolve_model(cfg, model, args.platform, args.devices)
     run = build(cfg, model, args.devices, args.platform)
-    mesh = "one device" if run.placement is None else f"mesh {dict(run.placement.mesh.shape)}"
+    mesh = f"mesh {dict(run.placement.mesh.shape)}"
     print(f"preflight {cfg.preset}: {args.platform} x {args.devices} ({mesh}), model {cfg.model.name} "
           f"({model.num_params() / 1e9:.2f} B parameters, {jax.numpy.dtype(run.dtype).name}) from {source}; "
           f"attention {model.attention}, decode attention {model.decode_attention}", flush=True)

@@ -22,7 +22,7 @@ from marft_jax.config import LoraConfig  # noqa: E402
 from marft_jax.models import decoder, lora as lora_lib, sharding  # noqa: E402
 from marft_jax.models.config import ModelConfig  # noqa: E402
 from marft_jax.sampling import sampler as sampler_lib  # noqa: E402
-from marft_jax.train.placement import Placement  # noqa: E402
+from marft_jax.models.placement import Placement  # noqa: E402
 
 CFG = ModelConfig(arch="llama", vocab_size=256, hidden_size=128, intermediate_size=384, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=32)

@@ -95,9 +95,9 @@ def run_one(out: Path, model_dir: str, iterations: int, *overrides: str) -> None
         arrays["row_offset"] = np.asarray(learner.rows.bounds(ROWS)[0])
         arrays["devices"] = np.asarray(jax.device_count())
         arrays["processes"] = np.asarray(jax.process_count())
-        arrays["mesh"] = np.asarray(json.dumps({} if learner.placement is None
-                                               else dict(learner.placement.mesh.shape)))
-        base_specs = {} if learner.placement is None or jax.process_count() > 1 else {
+        arrays["mesh"] = np.asarray(json.dumps(dict(learner.placement.mesh.shape)))
+        # one device: the weights load unplaced (build_run), so they have no spec to report
+        base_specs = {} if learner.placement.mesh.size == 1 or jax.process_count() > 1 else {
             jax.tree_util.keystr(p): str(x.sharding.spec)
             for p, x in jax.tree_util.tree_leaves_with_path(learner.base)}
         arrays["base_specs"] = np.asarray(json.dumps(base_specs))

@@ -21,7 +21,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 from marft_jax.models import decoder, sharding  # noqa: E402
 from marft_jax.models.config import ModelConfig  # noqa: E402
-from marft_jax.train.placement import Placement  # noqa: E402
+from marft_jax.models.placement import Placement  # noqa: E402
 
 CFG = ModelConfig(arch="llama", vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
                   num_heads=4, num_kv_heads=2, head_dim=16)

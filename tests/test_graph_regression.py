@@ -3,7 +3,7 @@ the ``independent`` graph the parallel (independent PPO) path, bit for bit, and 
 
 Three stages, each run on both paths where two exist:
 
-* the backups of the prepare step (``train.prepare._advantages``: masks, placed rewards, GAE),
+* the backups of the prepare step (``rl.advantages.advantages``: masks, placed rewards, GAE),
   action and token level;
 * one PPO update (critic step, then the agents) on a tiny random model;
 * a seeded two-iteration training run of the tiny model (rollout, prepare, update).
@@ -46,7 +46,8 @@ from marft_jax.rl import backups, native
 from marft_jax.rl import topology as topo
 from marft_jax.rl.state import init_train_state
 from marft_jax.rl.update import UpdateBatch, UpdateConfig, ppo_update
-from marft_jax.train.prepare import AdvantageConfig, _advantages
+from marft_jax.rl.advantages import AdvantageConfig
+from marft_jax.rl.advantages import advantages as _advantages
 
 PRINT_PINS = os.environ.get("MARFT_PRINT_PINS") == "1"
 ROLES = ("planner", "critic", "solver")
@@ -317,8 +318,8 @@ def _train(model_dir, out_dir, name: str, overrides: dict, *, legacy: bool):
     try:
         learner = run.learner
         if legacy:
-            learner.team = dataclasses.replace(learner.team, topology=None)
-            learner.adv_cfg = dataclasses.replace(learner.adv_cfg, topology=None)
+            learner = dataclasses.replace(learner, team=dataclasses.replace(learner.team, topology=None),
+                                          adv_cfg=dataclasses.replace(learner.adv_cfg, topology=None))
         else:
             assert learner.team.topology is not None and learner.adv_cfg.topology is not None
         state = init_train_state(jax.random.key(cfg.train.seed), run.model.cfg, cfg.lora,

@@ -79,7 +79,7 @@ from marft_jax.rl.state import init_train_state
 from marft_jax.rl.update import UpdateConfig
 from marft_jax.sampling.sampler import Sampler
 from marft_jax.train.iteration import TeamLearner
-from marft_jax.train.prepare import AdvantageConfig
+from marft_jax.rl.advantages import AdvantageConfig
 from tests.toy_mixture import ROLES, MixtureTask, pretrain_mixture_base
 from tests.toy_relay import ToyChatTokenizer, model_config
 

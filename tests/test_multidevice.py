@@ -530,7 +530,7 @@ class _FakeLearner:
         gen = make_generate(self.sampler, None, None, sampling or self.rollout_cfg, rows=self.rows)
         traj, texts = rollout(problems, team=self.team, tokenizer=CharTokenizer(), generate=gen,
                               score=self.score_fn, cfg=self.rollout_cfg, key=key,
-                              group=None if self.rows.single else self.rows)
+                              group=self.rows)
         return gather_trajectory(self.rows, traj), texts
 
 

@@ -104,6 +104,21 @@ def test_tpu_pod_check_reruns_itself_with_eight_devices(tmp_path, monkeypatch, c
     assert sum(x.startswith("ok   decode") for x in out.splitlines()) >= 5 and "all ok" in out
 
 
+def test_a_critic_free_run_lowers_its_backup_without_a_critic(tmp_path, monkeypatch, capsys):
+    """algo.advantage=group: no critic in the abstract state, so the backup program alone (no feature
+    pass), lowered for cuda."""
+    _in_process(monkeypatch)
+    (tmp_path / "config.json").write_text(json.dumps(TINY_MODEL))
+    rc = cli.main(["preflight", PAPER, f"model.name={tmp_path}", "algo.advantage=group", "rollout.group_size=4",
+                   "rollout.rows=8", "rollout.context_window=256", "rollout.max_new_tokens=32", "--platform", "cuda",
+                   "--devices", "1", "--programs", "features+backup,backup"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    lines = out.splitlines()
+    assert any(x.startswith("ok   backup") for x in lines) and not any("features+backup" in x for x in lines)
+    assert "all ok" in out
+
+
 def test_a_failure_names_the_key_and_stops(capsys):
     bad = preflight.Program("update", "rows 8", "ppo.micro_batches", jax.jit(lambda x: x.reshape(3)),
                             (jax.ShapeDtypeStruct((8,), "float32"),), {})

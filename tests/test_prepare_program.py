@@ -14,7 +14,7 @@ import pytest
 
 from marft_jax.config import AlgoConfig, PPOConfig
 from marft_jax.models.critic import CriticParams, init_value_head, value_head
-from marft_jax.rl import packing
+from marft_jax.rl import advantages, packing
 from marft_jax.train import prepare
 from marft_jax.train.compile_count import CompileCounter
 from tests.test_packing import CFG, _tiny, _trajectory
@@ -42,7 +42,7 @@ def _stage_by_stage(base, critic, traj, acfg):
     value = np.asarray(value_head(critic.head, jnp.asarray(feats)))
     v_boot = np.where(np.asarray(traj.boot_ctx_valid).any(-1),
                       np.asarray(value_head(critic.head, jnp.asarray(boot))), 0.0).astype(np.float32)
-    value, dp, placed, adv, ret = prepare._advantages(
+    value, dp, placed, adv, ret = advantages.advantages(
         *(jnp.asarray(x) for x in (value, traj.act_valid, traj.step_mask, traj.score, traj.agent_score,
                                    traj.terminal, traj.truncated, v_boot)), acfg=acfg)
     return {"feats": feats, "v_old": value, "dp_mask": dp, "adv": adv, "ret": ret}
@@ -54,7 +54,7 @@ def test_prepare_is_one_program_with_no_transfer_before_the_end(level, logp_old,
     lora = jax.tree.map(lambda x: x[:2], lora)
     critic = CriticParams(head=init_value_head(jax.random.key(3), CFG.hidden_size))
     traj = _episodes()
-    acfg = prepare.AdvantageConfig(algo=AlgoConfig(level=level, reward_bias=-0.25), ppo=PPOConfig(logp_old=logp_old),
+    acfg = advantages.AdvantageConfig(algo=AlgoConfig(level=level, reward_bias=-0.25), ppo=PPOConfig(logp_old=logp_old),
                                    tokens_per_call=64)
     shapes = prepare.PrepareShapes()
     run = lambda: prepare.prepare_update_batch(base, lora, critic, traj, cfg=CFG, acfg=acfg, shapes=shapes)
@@ -92,7 +92,7 @@ def test_independent_backup_in_the_program_matches_stage_by_stage():
     critic = CriticParams(head=init_value_head(jax.random.key(3), CFG.hidden_size))
     traj = _episodes()
     traj = traj.replace(agent_score=traj.agent_score * np.array([1.0, 0.5], np.float32))
-    acfg = dataclasses.replace(prepare.AdvantageConfig(tokens_per_call=64), independent=True)
+    acfg = dataclasses.replace(advantages.AdvantageConfig(tokens_per_call=64), independent=True)
     batch, _ = prepare.prepare_update_batch(base, None, critic, traj, cfg=CFG, acfg=acfg)
     for name, x in _stage_by_stage(base, critic, traj, acfg).items():
         np.testing.assert_allclose(np.asarray(getattr(batch, name)), np.asarray(x), rtol=1e-6, atol=1e-7,

@@ -181,7 +181,8 @@ def test_layer_links_keep_each_agents_own_critic_context_and_give_the_backup_the
     import jax.numpy as jnp
 
     from marft_jax.rl import backups, layout, rewards
-    from marft_jax.train.prepare import AdvantageConfig, _advantages
+    from marft_jax.rl.advantages import AdvantageConfig
+    from marft_jax.rl.advantages import advantages as _advantages
 
     roles = ("proposer_a", "proposer_b", "aggregator")
     graph = topo.named("mixture", roles)

@@ -112,3 +112,32 @@ def test_resolve_defaults_follow_the_rollout_mode_and_the_profile():
     assert t.layers == ((0, 1), (2,))
     with pytest.raises(topo.TopologyError, match="conflicts"):
         topo.resolve("chain", roles=ROLES3, answer_agent=2, profile_parents={"aggregator": ["proposer_a"]})
+
+
+@pytest.mark.parametrize("graph,roles,joint,boot,reported", [
+    # chain: every critic already reads all earlier agents; agent 0 bootstraps; the answerer reports
+    ("chain", ROLES3, (), (0,), 2),
+    # independent learners: own contexts, one bootstrap per agent, the team's answerer reports
+    ("independent", ROLES3, (), (0, 1, 2), 1),
+    # mixture: proposer_b's joint-history critic reads proposer_a; the aggregator reads both anyway
+    ("mixture", ROLES3, (1,), (0,), 2),
+    # debate: the second debater's critic reads the first's output
+    ("debate", ("pro", "con"), (1,), (0,), 1),
+])
+def test_joint_reads_bootstrap_agents_and_reported_answerer(graph, roles, joint, boot, reported):
+    t = topo.named(graph, roles)
+    assert [t.joint_reads(i) for i in range(len(roles))] == [tuple(range(i)) for i in range(len(roles))]
+    assert t.joint_critic_agents("chain") == joint and t.joint_critic_agents("layer") == ()
+    assert t.bootstrap_agents == boot
+    if t.independent:
+        with pytest.raises(ValueError, match="bootstrap_agents"):
+            t.bootstrap_agent
+    else:
+        assert t.bootstrap_agent == 0 == t.layers[0][0]
+    assert t.reported_answerer(1) == reported
+
+
+def test_joint_critic_agents_of_a_profile_graph_skip_agents_that_read_every_earlier_one():
+    t = topo.from_parents({"c": ["a", "b"], "d": ["b"]}, ("a", "b", "c", "d"), ["c", "d"])
+    assert t.layers == ((0, 1), (2, 3)) and t.joint_critic_agents("chain") == (1, 3)
+    assert t.bootstrap_agents == (0,) and t.bootstrap_agent == 0 and t.reported_answerer(0) == 3

@@ -303,8 +303,7 @@ def run_ours(args) -> dict:
 
     from marft_jax import profiling
     from marft_jax.bench.sampler import matmul_roofline_flops
-    from marft_jax.train.build import build_run
-    from marft_jax.rl.state import init_train_state
+    from marft_jax.train.build import build_run, fresh_state
 
     wl, cfg = config_for(args)
     compile_s = [0.0]
@@ -316,21 +315,20 @@ def run_ours(args) -> dict:
     jax.monitoring.register_event_duration_secs_listener(on_event)
     run = build_run(cfg)
     try:
-        learner = run.learner
         mcfg = run.model.cfg
-        counter = CountingSampler(learner.sampler, mcfg, args.no_eos)
-        learner.sampler = counter
+        counter = CountingSampler(run.learner.sampler, mcfg, args.no_eos)
         captured: dict[str, Any] = {}
-        play = learner.play
 
-        def capture_play(*a, **k):
-            captured["traj"], texts = play(*a, **k)
-            return captured["traj"], texts
+        class CapturingLearner(type(run.learner)):
+            """The run's learner, keeping the trajectory its play returns."""
 
-        learner.play = capture_play
-        n = cfg.team.num_agents
-        state = init_train_state(jax.random.key(cfg.train.seed), mcfg, cfg.lora, n,
-                                 cfg.optim, critic_lora=cfg.ppo.critic_lora)
+            def play(self, *a, **k):
+                captured["traj"], texts = super().play(*a, **k)
+                return captured["traj"], texts
+
+        fields = {f.name: getattr(run.learner, f.name) for f in dataclasses.fields(run.learner)}
+        learner = run.learner = CapturingLearner(**{**fields, "sampler": counter})
+        state = fresh_state(cfg, mcfg)
         problems = select_problems(run, wl, cfg.rollout.rows)
         key = jax.random.fold_in(jax.random.key(cfg.train.seed + 1), 0)
         roof = [matmul_roofline_flops(args.roofline_n)]
@@ -377,7 +375,7 @@ def run_ours(args) -> dict:
         "sampler_calls": counter.work.calls, "shapes": {"S": S, "B": B, "N": N, "L": L, "K": K},
         "logp_old": learner.adv_cfg.ppo.logp_old,
         "pack_sequences": getattr(learner, "pack_sequences", False),
-        "remat": learner.update_cfg.remat,
+        "remat": learner.update_config().remat,
         "matmul_roofline_flops_per_s": roofline, "matmul_roofline_samples": roof,
         "episode_accuracy": m.get("episode/accuracy"),
         "completions_mean_length": {k.split("/")[1]: v for k, v in m.items()
@@ -398,8 +396,7 @@ def run_reference(args) -> dict:
     from marft_jax.bench.machine import torch_matmul_flops
     from marft_jax.bench.update import LORA
     from marft_jax.rl.rollout import rollout
-    from marft_jax.train.build import build_run
-    from marft_jax.rl.state import init_train_state
+    from marft_jax.train.build import build_run, fresh_state
 
     torch.set_num_threads(args.torch_threads or os.cpu_count() or 1)
     wl, cfg = config_for(args)
@@ -411,8 +408,7 @@ def run_reference(args) -> dict:
     try:
         mcfg, tok, learner = run.model.cfg, run.tokenizer, run.learner
         n = cfg.team.num_agents
-        state = init_train_state(jax.random.key(cfg.train.seed), mcfg, cfg.lora, n,
-                                 cfg.optim, critic_lora=cfg.ppo.critic_lora)
+        state = fresh_state(cfg, mcfg)
         lora0 = jax.tree.map(np.array, state.lora)                       # the same initial adapters as ours
         head0 = jax.tree.map(np.array, state.critic.head)
         rcfg = learner.rollout_cfg
@@ -423,7 +419,7 @@ def run_reference(args) -> dict:
                           top_p=cfg.rollout.top_p, no_eos=args.no_eos, seed=cfg.train.seed)
         del state
         run.model = None                                                  # the JAX copy of the weights
-        learner.base = None
+        learner = run.learner = dataclasses.replace(learner, base=None)
         gc.collect()
         problems = select_problems(run, wl, cfg.rollout.rows)
         key = jax.random.fold_in(jax.random.key(cfg.train.seed + 1), 0)

@@ -6,7 +6,7 @@ D simulated CPU devices against one device.
 re-runs itself in a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=D`` and
 compiles each stage twice in that process: on ``devices[:1]`` and on a ``(data, fsdp, tensor)``
 mesh of all D, with the inputs placed as a training run places them
-(:mod:`marft_jax.train.placement`). ``flops_per_device`` is XLA's ``cost_analysis`` of the
+(:mod:`marft_jax.models.placement`). ``flops_per_device`` is XLA's ``cost_analysis`` of the
 partitioned (per-device) program. The goal on a data-only mesh is ``ratio <= 1.2 / D``.
 
 The model is a small random decoder (no download); the trajectory is random tokens with
@@ -78,11 +78,12 @@ def _measure(args) -> dict:
     from marft_jax.models.config import ModelConfig
     from marft_jax.models.critic import CriticParams
     from marft_jax.rl import packing
+    from marft_jax.rl.advantages import AdvantageConfig
     from marft_jax.rl.update import UpdateConfig, ppo_update
     from marft_jax.sampling import sampler as sampler_lib
     from marft_jax.train import prepare
     from marft_jax.train.iteration import TeamLearner
-    from marft_jax.train.placement import Placement
+    from marft_jax.models.placement import Placement
     from marft_jax.rl.state import init_train_state
 
     if jax.device_count() != args.devices:
@@ -95,7 +96,7 @@ def _measure(args) -> dict:
     level = "token" if args.token_level else "action"
     algo = AlgoConfig(level=level, gamma=1.0, lam=1.0)
     ucfg = UpdateConfig(ppo=PPOConfig(epochs=1, num_minibatches=1, micro_batches=1), algo=algo)
-    acfg = prepare.AdvantageConfig(algo=algo, tokens_per_call=4096)
+    acfg = AdvantageConfig(algo=algo, tokens_per_call=4096)
     from marft_jax.models import sharding
 
     meshes = {
@@ -127,16 +128,14 @@ def _measure(args) -> dict:
         critic = CriticParams(head=state.critic.head)
         batch, _ = prepare.prepare_update_batch(base, state.lora, critic, traj, cfg=cfg, acfg=acfg, shapes=shapes,
                                                 placement=placement)
-        learner = TeamLearner.__new__(TeamLearner)   # only its placement / plan helpers
-        learner.placement, learner.pack_sequences = placement, True
-        learner.tokenizer = type("T", (), {"pad_id": 0})()
         mask = placement.replicate(np.ones(args.agents, bool))
         flag = placement.replicate(np.asarray(True))
         for name, micro in (("update", 1), ("update_micro_batches", args.micro_batches)):
             ucfg = dataclasses.replace(ucfg, ppo=dataclasses.replace(ucfg.ppo, micro_batches=micro))
-            learner.update_cfg = ucfg
-            learner.update_shapes = packing.ShapePolicy(row_multiple=multiple)
-            plan, _ = learner.update_plan(state, traj)
+            learner = TeamLearner(cfg=cfg, base=base, tokenizer=type("T", (), {"pad_id": 0})(), sampler=None,
+                                  team=None, score_fn=None, rollout_cfg=None, update_cfg=ucfg, adv_cfg=acfg,
+                                  pack_sequences=True, placement=placement)   # only its plan / placement helpers
+            plan, _ = learner.update_plan(state, traj, policy=packing.ShapePolicy(row_multiple=multiple))
             placed, plan = learner.place_update(batch, plan)
             with jax.set_mesh(mesh):
                 costs[name] = _cost(ppo_update.lower(base, state, placed, mask, flag, cfg=cfg, ucfg=ucfg, plan=plan))

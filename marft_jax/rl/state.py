@@ -43,25 +43,30 @@ def critic_optimizer(cfg: OptimConfig, total_updates: int = 1) -> optax.Gradient
 @flax.struct.dataclass
 class TrainState:
     """lora: ``[agent, layer, ...]`` adapters; lora_opt: AdamW states stacked on the agent axis;
-    critic / critic_opt: value head (+ optional critic LoRA) and its Adam state;
+    critic / critic_opt: value head (+ optional critic LoRA) and its Adam state, both None for a
+    critic-free advantage estimator (``algo.advantage=group``: no critic parameters or memory);
     step: int32 update iterations done; rng: the run's PRNG key."""
 
     lora: LoraStack
     lora_opt: optax.OptState
-    critic: CriticParams
-    critic_opt: optax.OptState
+    critic: CriticParams | None
+    critic_opt: optax.OptState | None
     step: jax.Array
     rng: jax.Array
 
 
 def init_train_state(key: jax.Array, cfg: ModelConfig, lora_cfg: LoraConfig, num_agents: int,
-                     optim: OptimConfig, critic_lora: bool = False) -> TrainState:
-    """A fresh state (the optimizer states do not depend on the schedule's length)."""
+                     optim: OptimConfig, critic_lora: bool = False, critic: bool = True) -> TrainState:
+    """A fresh state (the optimizer states do not depend on the schedule's length). ``critic``:
+    False for a critic-free estimator (``rl.advantages.needs_critic``); the keys are split the
+    same either way, so the adapters start equal."""
     k_lora, k_head, k_clora, k_rng = jax.random.split(key, 4)
     lora = init_lora(k_lora, cfg, lora_cfg, num_agents)
     lora_opt = jax.vmap(policy_optimizer(optim).init)(lora)
-    critic = CriticParams(head=init_value_head(k_head, cfg.hidden_size),
-                          lora=init_lora(k_clora, cfg, lora_cfg, 1) if critic_lora else None)
-    return TrainState(lora=lora, lora_opt=lora_opt, critic=critic,
-                      critic_opt=critic_optimizer(optim).init(critic),
+    value = critic_opt = None
+    if critic:
+        value = CriticParams(head=init_value_head(k_head, cfg.hidden_size),
+                             lora=init_lora(k_clora, cfg, lora_cfg, 1) if critic_lora else None)
+        critic_opt = critic_optimizer(optim).init(value)
+    return TrainState(lora=lora, lora_opt=lora_opt, critic=value, critic_opt=critic_opt,
                       step=jnp.zeros((), jnp.int32), rng=k_rng)

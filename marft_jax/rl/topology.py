@@ -10,6 +10,11 @@ history). From the parents follow:
   parents); the rollout makes one batched sampler call per layer (per-row adapter ids).
 * the answering agents, whose outputs are scored (their mean is the team's score).
 * :meth:`Topology.links`, the backup's successor table (:class:`LinkTable`).
+* what the rollout and the backups read from it besides the parents: the joint-history critic
+  contexts (:meth:`Topology.joint_critic_agents`, :meth:`Topology.joint_reads`), the agents whose
+  next-step state bootstraps a truncated episode (:attr:`Topology.bootstrap_agents`,
+  :attr:`Topology.bootstrap_agent`) and the answerer whose scorer info is recorded
+  (:meth:`Topology.reported_answerer`).
 
 Named graphs (``team.graph``):
 
@@ -175,8 +180,50 @@ class Topology:
 
     @property
     def answer_agent(self) -> int:
-        """The last answering agent (the one whose scorer info is logged)."""
+        """The last answering agent (the one whose scorer info is logged, except for independent
+        learners: :meth:`reported_answerer`)."""
         return self.answer_agents[-1]
+
+    def reported_answerer(self, team_answer: int) -> int:
+        """The answering agent whose scorer info the rollout records per (step, row): for
+        independent learners, where every agent answers, the team's own answering agent
+        ``team_answer`` (the profile's or ``team.answer_agent``); else :attr:`answer_agent`."""
+        return team_answer if self.independent else self.answer_agent
+
+    @property
+    def bootstrap_agents(self) -> tuple[int, ...]:
+        """The agents whose context at step ``s + 1`` (the task and the history, no current-step
+        outputs) bootstraps an episode truncated after step ``s``: every agent for independent
+        learners (each backs up its own decision points to its own value), else
+        (:attr:`bootstrap_agent`,)."""
+        if self.independent:
+            return tuple(range(self.num_agents))
+        return (self.bootstrap_agent,)
+
+    @property
+    def bootstrap_agent(self) -> int:
+        """A shared-reward team's bootstrap agent: the first agent of the first layer (agent 0,
+        which reads nobody), where the last layer's links land at the next step (:meth:`links`);
+        its value at step ``s + 1`` bootstraps a row truncated after step ``s``. Independent
+        learners have one per agent (:attr:`bootstrap_agents`): asking them for one is an error."""
+        if self.independent:
+            raise ValueError(f"graph {self.name!r}: independent learners bootstrap every agent from its own "
+                             "context; use Topology.bootstrap_agents")
+        return self.layers[0][0]
+
+    def joint_reads(self, agent: int) -> tuple[int, ...]:
+        """The agents whose current-step outputs the joint-history state at ``agent`` reads (the
+        critic's context when :meth:`critic_reads_all_earlier`): every agent before it in execution
+        order, ``0 .. agent-1``, whatever its parents, in that order."""
+        return tuple(range(agent))
+
+    def joint_critic_agents(self, layer_links: str) -> tuple[int, ...]:
+        """The agents whose critic state is the joint history (:meth:`joint_reads`) instead of their
+        own prompt: when :meth:`critic_reads_all_earlier`, those whose parents are not already every
+        earlier agent; () otherwise."""
+        if not self.critic_reads_all_earlier(layer_links):
+            return ()
+        return tuple(i for i, ps in enumerate(self.parents) if ps != self.joint_reads(i))
 
     def critic_reads_all_earlier(self, layer_links: str) -> bool:
         """Whether the critic's state at agent i needs a context other than agent i's own: the

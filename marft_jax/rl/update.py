@@ -87,7 +87,8 @@ class UpdateBatch:
     has no LoRA); act_tokens/act_valid/logp_old ``[S, B, N, K]``;
     adv, ret, v_old, dp_mask ``[S, B, N]`` (action level) or ``[S, B, N, K]`` (token level);
     feats ``[S, B, N, H]`` / ``[S, B, N, K, H]`` cached critic features (ignored with critic
-    LoRA); word_count ``[S, B, N]`` int32.
+    LoRA); word_count ``[S, B, N]`` int32. ``ret``, ``v_old``, ``feats``: None without a critic
+    (a critic-free estimator).
     """
 
     ctx_tokens: jax.Array
@@ -256,28 +257,13 @@ def update_agents(base, cfg: ModelConfig, ucfg: UpdateConfig, lora: LoraStack, l
     use_happo = ucfg.agent_schedule == "sequential" and ucfg.happo_weighting and num_agents > 1
     layer_update = ucfg.ppo.layer_update if ucfg.ppo.agent_schedule == "sequential" else "in_order"
     table = layer_table(ucfg.layers, num_agents, layer_update)
-    if not np.array_equal(table, np.arange(num_agents)[:, None]):
-        return _update_layers(base, cfg, ucfg, lora, lora_opt, per_agent, train_mask, table, use_happo)
-
-    def body(happo, xs):
-        index, lora_a, opt_a, d, flag = xs
-        new_lora, new_opt, met = _agent_update(base, cfg, ucfg, lora_a, opt_a, d, happo, flag)
-        if use_happo:
-            # The last agent's factor would only feed agents after it: skip its extra forward.
-            happo = jax.lax.cond(
-                index < num_agents - 1,
-                lambda h: h * _happo_factor(base, cfg, ucfg, _with_agent_axis(new_lora), d),
-                lambda h: h, happo)
-        return happo, (new_lora, new_opt, met)
-
-    xs = (jnp.arange(num_agents), lora, lora_opt, per_agent, train_mask)
-    _, (new_lora, new_opt, met) = jax.lax.scan(body, ones, xs)
-    return new_lora, new_opt, met
+    return _update_layers(base, cfg, ucfg, lora, lora_opt, per_agent, train_mask, table, use_happo)
 
 
 def _update_layers(base, cfg, ucfg, lora, lora_opt, per_agent: dict, train_mask, table: np.ndarray,
                    use_happo: bool):
-    """The sequential scan over the slots of :func:`layer_table` (``[steps, width]``).
+    """The sequential scan over the slots of :func:`layer_table` (``[steps, width]``); the chain
+    (and ``layer_update=in_order``) is its width-1 case, one agent per scan step.
 
     Each scan step gathers its slots' adapters, optimizer states and data (a padded slot reads
     the last agent's and does not train), updates them from the same incoming factor (``vmap``
@@ -397,7 +383,9 @@ def ppo_update(base, state: TrainState, batch: UpdateBatch, train_mask: jax.Arra
         mb = _take_rows(batch, idx)
         if ucfg.ppo.adv_norm == "minibatch":
             mb = mb.replace(adv=losses.normalize_advantages(mb.adv, mb.dp_mask, mode="minibatch"))
-        critic, critic_opt, cmet = critic_update(base, cfg, ucfg, state.critic, state.critic_opt, mb)
+        critic, critic_opt, cmet = state.critic, state.critic_opt, {}
+        if critic is not None:      # a critic-free estimator's run has none to update
+            critic, critic_opt, cmet = critic_update(base, cfg, ucfg, critic, critic_opt, mb)
         lora, lora_opt, amet = update_agents(base, cfg, ucfg, state.lora, state.lora_opt, mb, flags, packed)
         state = state.replace(lora=lora, lora_opt=lora_opt, critic=critic, critic_opt=critic_opt)
         return state, {"critic": cmet, "actor": amet}

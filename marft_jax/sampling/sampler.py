@@ -45,7 +45,6 @@ by the budget.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -64,6 +63,7 @@ from marft_jax.models import lora as lora_lib
 from marft_jax.models import sharding
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.logprobs import logprob_and_entropy
+from marft_jax.models.placement import Placement
 from marft_jax.sampling import buckets
 
 Params = dict[str, Any]
@@ -611,31 +611,26 @@ class Sampler:
             raise ValueError(f"min_compact_batch must be >= 1, got {min_compact_batch}")
         self.min_compact_batch = int(min_compact_batch)
         self.totals = SamplerTotals()
-        # The run's placement (marft_jax.train.placement): prompt rows, and so the KV cache, are
-        # split over its row shards; None: the default device.
-        self.placement = None
+        # The run's placement (marft_jax.models.placement): prompt rows, and so the KV cache, are
+        # split over its row shards (place_on); until then this process's first device.
+        self.placement = Placement.single()
 
-    def place_on(self, placement) -> None:
+    def place_on(self, placement: Placement) -> None:
         """Split the batch of every call over ``placement``'s row shards (a batch bucket the
         shards do not divide stays replicated). Compaction never goes below the shard count."""
         self.placement = placement
-        if placement is not None:
-            self.min_batch = max(self.min_batch, placement.row_shards)
-            self.min_compact_batch = max(self.min_compact_batch, placement.row_shards)
+        self.min_batch = max(self.min_batch, placement.row_shards)
+        self.min_compact_batch = max(self.min_compact_batch, placement.row_shards)
 
     def _mesh_context(self):
         """The placement's mesh as JAX's context mesh (where :func:`resize` keeps rows split)."""
-        return contextlib.nullcontext() if self.placement is None else jax.set_mesh(self.placement.mesh)
+        return jax.set_mesh(self.placement.mesh)
 
     def _host(self, tree):
-        if self.placement is None:
-            return jax.device_get(tree)
-        from marft_jax.models.sharding import to_host
-
-        return to_host(tree)
+        return sharding.to_host(tree)
 
     def _rows(self, x: np.ndarray) -> jax.Array:
-        return jnp.asarray(x) if self.placement is None else self.placement.rows(x, 0)
+        return self.placement.rows(x, 0)
 
     def take_totals(self) -> SamplerTotals:
         """The :class:`SamplerTotals` since the last call, and start counting afresh."""

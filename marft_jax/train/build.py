@@ -19,15 +19,16 @@ from marft_jax.envs.task import Task
 from marft_jax.models import attention as attention_lib
 from marft_jax.models import cache_attention
 from marft_jax.models import lora, registry, sharding
-from marft_jax.rl import topology
+from marft_jax.models.placement import Placement
+from marft_jax.rl import advantages, topology
+from marft_jax.rl.advantages import AdvantageConfig
 from marft_jax.rl.rollout import Team
+from marft_jax.rl.state import TrainState, init_train_state
 from marft_jax.rl.update import UpdateConfig
 from marft_jax.sampling.sampler import Sampler
 from marft_jax.train.hosts import ProcessRows
 from marft_jax.train.iteration import TeamLearner
 from marft_jax.train.metric_sinks import check_loggers
-from marft_jax.train.placement import Placement
-from marft_jax.train.prepare import AdvantageConfig
 
 
 def check_names(cfg: Config) -> Config:
@@ -38,7 +39,32 @@ def check_names(cfg: Config) -> Config:
     lora.check_targets(cfg.lora.targets)
     topology.check_team_keys(cfg.team.graph, cfg.team.layer_links, cfg.rollout.mode)
     check_loggers(cfg.train.loggers, cfg.train.wandb.mode)
+    check_estimator(cfg)
     return cfg
+
+
+def fresh_state(cfg: Config, model_cfg, seed: int | None = None) -> TrainState:
+    """A fresh train state for the run (``seed``: default ``train.seed``): adapters for every
+    agent, and the critic only when ``algo.advantage`` reads one."""
+    return init_train_state(jax.random.key(cfg.train.seed if seed is None else seed), model_cfg, cfg.lora,
+                            cfg.team.num_agents, cfg.optim, critic_lora=cfg.ppo.critic_lora,
+                            critic=advantages.needs_critic(cfg.algo))
+
+
+def check_estimator(cfg: Config) -> None:
+    """``algo.advantage`` is a registered estimator, and a critic-free one is not asked to train a
+    critic (``ppo.critic_warmup``, ``ppo.critic_lora``) or to baseline groups of one."""
+    if advantages.needs_critic(cfg.algo):
+        return
+    name = cfg.algo.advantage
+    if cfg.ppo.critic_warmup:
+        raise ConfigError(f"ppo.critic_warmup={cfg.ppo.critic_warmup}: must be 0 with algo.advantage={name!r} "
+                          "(a critic-free estimator: the run has no critic)")
+    if cfg.ppo.critic_lora:
+        raise ConfigError(f"ppo.critic_lora=true: not with algo.advantage={name!r} (a critic-free estimator)")
+    if name == "group" and cfg.rollout.group_size < 2:
+        raise ConfigError(f"rollout.group_size={cfg.rollout.group_size}: must be >= 2 with algo.advantage=group "
+                          "(each problem's episodes are baselined by their group's mean)")
 
 
 def build_task(cfg: Config) -> Task:
@@ -193,10 +219,12 @@ def build_run(cfg: Config) -> Run:
                                     revision=cfg.model.revision)
     except sharding.ShardingRuleError as e:
         raise ConfigError(str(e)) from None
-    placement = placements[-1] if placements else None
+    # one device: a 1-device mesh (the weights load as they are: replicated there is the same array)
+    placement = placements[-1] if placements else Placement(
+        distributed.build_mesh(cfg.mesh, model.cfg, rows=cfg.rollout.rows), strict=cfg.mesh.strict)
     model = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, attention=impl,
                                                                decode_attention=decode_impl))
-    print(distributed.describe_devices(None if placement is None else placement.mesh)
+    print(distributed.describe_devices(placement.mesh)
           + ("" if plan.initialize else f" ({plan.why})"), flush=True)
     tok = HFChatTokenizer(model.tokenizer, stop_ids=model.stop_token_ids)
     pool = ScoringPool(task, workers=cfg.train.scoring_workers)

@@ -92,10 +92,9 @@ def evaluate(learner: TeamLearner, state: TrainState, problems: Sequence[Problem
                 mine_examples.append({"problem": mine[b].text, "answer": mine[b].answer,
                                       "outputs": dict(zip(roles, outs[b])), "correct": bool(passed[lo + b]),
                                       "info": texts.infos[last[lo + b]][b]})
-            if not rows.single:
-                parts = rows.gather((grades, mine_examples))
-                grades = [g for part in parts for g in part[0]]
-                mine_examples = [e for part in parts for e in part[1]]
+            parts = rows.gather((grades, mine_examples))       # one process: its own
+            grades = [g for part in parts for g in part[0]]
+            mine_examples = [e for part in parts for e in part[1]]
             for j, g in enumerate(grades):
                 agent_correct[roles[j % len(roles)]].append(g)
             examples += mine_examples[:max(keep_examples - len(examples), 0)]

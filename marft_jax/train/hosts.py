@@ -120,9 +120,7 @@ def concat_rows(parts: Sequence[Trajectory]) -> Trajectory:
 
 def gather_trajectory(rows: ProcessRows, local: Trajectory) -> Trajectory:
     """The global batch from every process's rows (NumPy arrays on every process, rows in
-    process order); ``local`` itself on one process."""
-    if rows.single:
-        return local
+    process order)."""
     local = Trajectory(**{f.name: None if getattr(local, f.name) is None else np.asarray(getattr(local, f.name))
                           for f in dataclasses.fields(Trajectory)})
     traj = concat_rows(rows.gather(local))

@@ -8,7 +8,6 @@ logging and evaluation around it, and tests drive it directly.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Callable, Sequence
 
@@ -19,6 +18,7 @@ import numpy as np
 from marft_jax.envs.chat import ChatTokenizer
 from marft_jax.envs.task import Problem, Score, Transcript
 from marft_jax.models.config import ModelConfig
+from marft_jax.models.placement import Placement
 from marft_jax.rl import layout, packing
 from marft_jax.rl import rollout as rollout_lib
 from marft_jax.config import RolloutConfig
@@ -32,7 +32,9 @@ from marft_jax.train import memory_plan
 from marft_jax.train import metrics as metrics_lib
 from marft_jax.train.compile_count import CompileCounter, compile_metrics
 from marft_jax.models.sharding import to_host
-from marft_jax.train.prepare import AdvantageConfig, PrepareShapes, prepare_update_batch
+from marft_jax.rl.advantages import AdvantageConfig
+from marft_jax.train.prepare import prepare_update_batch
+from marft_jax.train.run_state import RunState
 
 
 def interval_agent(env_samples: int, interval: int, offset: int, num_agents: int) -> int:
@@ -41,7 +43,7 @@ def interval_agent(env_samples: int, interval: int, offset: int, num_agents: int
 
 
 def make_generate(sampler: Sampler, base, lora, sampling: SamplingConfig | RolloutConfig,
-                  policy_temperature: float = 1.0, rows: ProcessRows | None = None) -> rollout_lib.GenerateFn:
+                  policy_temperature: float = 1.0, rows: ProcessRows = ProcessRows()) -> rollout_lib.GenerateFn:
     """Adapt the sampler to the rollout's ``GenerateFn`` (adapters selected per row).
 
     ``sampling``: the sampler's settings (``max_new_tokens``, ``temperature``, ``top_k``,
@@ -53,7 +55,8 @@ def make_generate(sampler: Sampler, base, lora, sampling: SamplingConfig | Rollo
     ``rows``: with several processes, each passes its own rows' prompts (possibly none); the
     sampler runs on every process's prompts concatenated in process order (the order one
     process would give them: the same per-row randomness and shapes), with the largest budget,
-    and each process gets its own rows of the result (``[n_local, K]``).
+    and each process gets its own rows of the result (``[n_local, K]``). One process (the
+    default) takes the same path: its gather is its own prompts.
     """
 
     def sample(prompts, agents: np.ndarray, max_new: int, key):
@@ -62,14 +65,12 @@ def make_generate(sampler: Sampler, base, lora, sampling: SamplingConfig | Rollo
                        budget=min(max_new, sampling.max_new_tokens), policy_temperature=policy_temperature)
 
     def generate(prompts: Sequence[Sequence[int]], agents: np.ndarray, max_new: int, key) -> Generation:
-        lo, hi = 0, len(prompts)
-        if rows is not None and not rows.single:
-            parts = rows.gather(([list(map(int, p)) for p in prompts], np.asarray(agents, np.int32), int(max_new)))
-            lo = sum(len(p[0]) for p in parts[:rows.index])
-            hi = lo + len(prompts)
-            prompts = [p for part in parts for p in part[0]]
-            agents = np.concatenate([part[1] for part in parts])
-            max_new = max(part[2] for part in parts)
+        parts = rows.gather(([list(map(int, p)) for p in prompts], np.asarray(agents, np.int32), int(max_new)))
+        lo = sum(len(p[0]) for p in parts[:rows.index])
+        hi = lo + len(prompts)
+        prompts = [p for part in parts for p in part[0]]
+        agents = np.concatenate([part[1] for part in parts])
+        max_new = max(part[2] for part in parts)
         out = sample(prompts, agents, max_new, key)
         cut = lambda x: None if x is None else x[lo:hi]
         return Generation(tokens=cut(out.tokens), lengths=cut(out.lengths), logp=cut(out.logps),
@@ -85,9 +86,15 @@ def token_counts(traj) -> tuple[int, int]:
     return ctx, int(np.asarray(traj.act_valid).sum())
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class TeamLearner:
-    """Static pieces of a run and the iteration that uses them."""
+    """Static pieces of a run and the iteration that uses them.
+
+    Frozen: what changes over a run (context bucket, packed shapes, the chosen remat) is its
+    :class:`~marft_jax.train.run_state.RunState`, the one mutable object the learner holds
+    (``run_state``); :meth:`iteration` and :meth:`play` update it in place, and the trainer
+    saves and restores it with the train state. ``dataclasses.replace`` of a learner shares it.
+    """
 
     cfg: ModelConfig
     base: dict
@@ -98,23 +105,16 @@ class TeamLearner:
     rollout_cfg: RolloutConfig          # the rollout section: episodes and the training sampler settings
     update_cfg: UpdateConfig            # its ppo section also says which agents train when
     adv_cfg: AdvantageConfig
-    # Context length bucket only grows over a run (the trajectory's padded context axis).
-    context_bucket: int = 0
     # Packed sequences (rl/packing.py) for the feature pass and the update; False: the padded
     # [context bucket + K] layout (the A/B baseline of the packing).
     pack_sequences: bool = True
     # Packed rows share the prefix a (row, agent)'s later step repeats from its earlier one
     # (packing.share_prefixes; needs an attention that takes a dense mask: xla or cudnn).
     share_prefixes: bool = True
-    # Compiled packed shapes of this run, reused while they fit (few compiles, bounded padding).
-    prepare_shapes: PrepareShapes = dataclasses.field(default_factory=PrepareShapes)
-    update_shapes: packing.ShapePolicy = dataclasses.field(default_factory=packing.ShapePolicy)
-    _checked_updates: set = dataclasses.field(default_factory=set, repr=False)
-    # Called as on_stage(stage name, seconds) after each stage (the trainer shows the first,
-    # compiling iteration's progress with it); None: silent.
-    on_stage: Callable[[str, float], None] | None = None
-    # The run's mesh placement (marft_jax.train.placement); None: one device, nothing placed.
-    placement: object | None = None
+    # The run's context bucket, compiled packed shapes and remat choice (marft_jax.train.run_state).
+    run_state: RunState = dataclasses.field(default_factory=RunState)
+    # The run's mesh placement (marft_jax.models.placement); one device is a 1-device mesh.
+    placement: Placement = dataclasses.field(default_factory=Placement.single)
     # This process's rows of every batch (marft_jax.train.hosts): with several processes,
     # play / iteration take this process's problems and return the global trajectory.
     rows: ProcessRows = dataclasses.field(default_factory=ProcessRows)
@@ -124,20 +124,8 @@ class TeamLearner:
         """The ``<agent>`` part of the per-agent metric names (:func:`~marft_jax.train.metrics.role_names`)."""
         return metrics_lib.role_names(self.team.num_agents, self.team.roles)
 
-    def _report(self, stage: str, seconds: float) -> None:
-        if self.on_stage is not None:
-            self.on_stage(stage, seconds)
-
     def __post_init__(self) -> None:
-        cost = packing.attention_cost_of(self.cfg)
-        self.update_shapes.attention_cost = cost * packing.BACKWARD_ATTENTION_WEIGHT
-        for policy in (self.prepare_shapes.features, self.prepare_shapes.logprobs):
-            policy.attention_cost = cost * packing.FORWARD_ATTENTION_WEIGHT
-            # Forward-only passes: length classes save little there and each new shape compiles.
-            policy.max_classes = 1
-        if self.placement is not None:
-            for policy in (self.update_shapes, self.prepare_shapes.features, self.prepare_shapes.logprobs):
-                policy.row_multiple = self.placement.row_shards
+        self.run_state.configure(self.cfg, self.placement.row_shards)
 
     def play(self, state: TrainState, problems: Sequence[Problem], key,
              sampling: SamplingConfig | RolloutConfig | None = None):
@@ -156,10 +144,10 @@ class TeamLearner:
                             rows=self.rows)
         traj, texts = rollout_lib.rollout(problems, team=self.team, tokenizer=self.tokenizer, generate=gen,
                                           score=self.score_fn, cfg=rcfg, key=key,
-                                          min_context_bucket=max(16, self.context_bucket),
-                                          group=None if self.rows.single else self.rows)
+                                          min_context_bucket=max(16, self.run_state.context_bucket),
+                                          group=self.rows)
         traj = gather_trajectory(self.rows, traj)
-        self.context_bucket = max(self.context_bucket, traj.shape[3])
+        self.run_state.grow_context(traj.shape[3])
         return traj, texts
 
     def train_mask(self, iteration: int, env_samples: int) -> tuple[np.ndarray, bool]:
@@ -172,36 +160,40 @@ class TeamLearner:
         return mask, iteration >= ppo.critic_warmup
 
     def iteration(self, state: TrainState, problems: Sequence[Problem], *, iteration: int, env_samples: int,
-                  key) -> tuple[TrainState, dict, object]:
-        """One iteration. Returns (new state, flat metrics dict, rollout texts).
+                  key, on_stage: Callable[[str, float], None] | None = None) -> tuple[TrainState, dict, object]:
+        """One iteration. Returns (new state, flat metrics dict, rollout texts); updates
+        ``self.run_state`` (context bucket, packed shapes, remat choice).
 
         ``perf/compiles`` counts the XLA programs compiled during it (0 once every shape of
-        the run has been seen), ``timing_s/compile`` the seconds they took.
+        the run has been seen), ``timing_s/compile`` the seconds they took. ``on_stage``:
+        called as ``on_stage(stage name, seconds)`` after each stage (the trainer shows the
+        first, compiling iteration's progress with it); None: silent.
         """
         with CompileCounter.counting() as compiles:
             state, metrics, texts = self._iteration(state, problems, iteration=iteration,
-                                                    env_samples=env_samples, key=key)
+                                                    env_samples=env_samples, key=key,
+                                                    report=on_stage or (lambda stage, seconds: None))
         metrics.update(compile_metrics(compiles))
         return state, metrics, texts
 
     def _iteration(self, state: TrainState, problems: Sequence[Problem], *, iteration: int, env_samples: int,
-                   key) -> tuple[TrainState, dict, object]:
+                   key, report: Callable[[str, float], None]) -> tuple[TrainState, dict, object]:
         timings = {}
         self.sampler.take_totals()
         with metrics_lib.Timer("step", timings):
             with jax.profiler.TraceAnnotation("rollout"), metrics_lib.Timer("rollout", timings) as t:
                 traj, texts = self.play(state, problems, key)
             sampler_totals = self.sampler.take_totals()
-            self._report("rollout", t.seconds)
+            report("rollout", t.seconds)
 
-            keep_ctx = not self.pack_sequences or state.critic.lora is not None
+            keep_ctx = not self.pack_sequences or (state.critic is not None and state.critic.lora is not None)
             with (jax.profiler.TraceAnnotation("prepare"), self.mesh_context(),
                   metrics_lib.Timer("values_logprobs_backup", timings) as t):
                 batch, prep = prepare_update_batch(self.base, state.lora, state.critic, traj, cfg=self.cfg,
-                                                   acfg=self.adv_cfg, shapes=self.prepare_shapes,
+                                                   acfg=self.adv_cfg, shapes=self.run_state.prepare,
                                                    keep_contexts=keep_ctx, placement=self.placement)
                 t.ready(batch.adv)
-            self._report("critic features + backup", t.seconds)
+            report("critic features + backup", t.seconds)
 
             mask, train_policy = self.train_mask(iteration, env_samples)
             with (jax.profiler.TraceAnnotation("update"), self.mesh_context(),
@@ -212,10 +204,10 @@ class TeamLearner:
                 # the rollout's and any compile's freed heap go back before the update's temporaries
                 host_memory.release_free_heap()
                 state, upd = ppo_update(self.base, state, batch, jnp.asarray(mask), jnp.asarray(train_policy),
-                                        cfg=self.cfg, ucfg=self.update_cfg, plan=plan)
+                                        cfg=self.cfg, ucfg=self.update_config(), plan=plan)
                 t.ready(state.lora)
             host_memory.release_free_heap()          # the update's temporaries, before the next rollout
-            self._report("update", t.seconds)
+            report("update", t.seconds)
 
         metrics = dict(timings)
         metrics.update(prep)
@@ -254,21 +246,14 @@ class TeamLearner:
             update_tokens=metrics["perf/tokens/update/unique"], update_head_tokens=gen_tok * self.update_cfg.ppo.epochs,
             happo_passes=(n - 1) / n if self.update_cfg.happo_weighting and n > 1 else 0.0,
             sampler=sampler_totals,
-            num_devices=1 if self.placement is None else self.placement.mesh.devices.size))
+            num_devices=self.placement.mesh.devices.size))
         return state, metrics, texts
 
-    def packed_shapes(self) -> dict[str, list[list[int]]]:
-        """The packed shapes compiled so far (saved with checkpoints: a resumed run packs as the
-        uninterrupted one would, so its results are the same to the bit)."""
-        as_lists = lambda policy: [[list(c) for c in shape] for shape in policy.seen]
-        return {"update": as_lists(self.update_shapes), "features": as_lists(self.prepare_shapes.features),
-                "logprobs": as_lists(self.prepare_shapes.logprobs)}
-
-    def load_packed_shapes(self, shapes: dict) -> None:
-        """Restore :meth:`packed_shapes` (missing entries: nothing compiled yet)."""
-        for name, policy in (("update", self.update_shapes), ("features", self.prepare_shapes.features),
-                             ("logprobs", self.prepare_shapes.logprobs)):
-            policy.seen = [packing.shape_from_json(x) for x in shapes.get(name, [])]
+    def update_config(self) -> UpdateConfig:
+        """The update's config with the run's recorded remat choice (``model.remat`` auto only:
+        an explicit policy in the config always holds)."""
+        remat = self.run_state.remat_for(self.update_cfg.remat)
+        return self.update_cfg if remat == self.update_cfg.remat else dataclasses.replace(self.update_cfg, remat=remat)
 
     def check_update_memory(self, state: TrainState, batch, plan, mask, train_policy) -> None:
         """Before the first update of each new shape: compile it (jit's cache keeps the program)
@@ -277,18 +262,18 @@ class TeamLearner:
 
         With ``model.remat`` auto on an accelerator, the policies ``none``, ``dots_no_batch``
         and ``full`` are planned in that order (least recompute first) and the first that fits
-        becomes the run's policy; on CPU auto stays :func:`~marft_jax.models.decoder.resolve_remat`'s
-        row-length rule (``full`` costs no time there)."""
+        becomes the run's policy, recorded in ``run_state`` (a resumed run plans only the recorded
+        one); on CPU auto stays :func:`~marft_jax.models.decoder.resolve_remat`'s row-length rule
+        (``full`` costs no time there)."""
         key = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves((batch, plan)))
-        if key in self._checked_updates:
+        if key in self.run_state.checked_updates:
             return
         s, b, n, k = batch.act_tokens.shape
         rows = "padded" if plan is None else "packed rows " + packing.format_shape(
             tuple(r.tokens.shape[-2:] for r in plan.rows))
         name = f"ppo_update (steps {s}, rows {b}, agents {n}, actions {k}, {rows})"
-        candidates = [self.update_cfg]
-        if self.update_cfg.remat is None and jax.default_backend() != "cpu":
-            candidates = [dataclasses.replace(self.update_cfg, remat=p) for p in ("none", "dots_no_batch", "full")]
+        remats = self.run_state.remat_candidates(self.update_cfg.remat, accelerator=jax.default_backend() != "cpu")
+        candidates = [dataclasses.replace(self.update_cfg, remat=r) for r in remats]
         available = memory_plan.available_bytes()
         for i, ucfg in enumerate(candidates):
             _, planned = memory_plan.plan_of(ppo_update, self.base, state, batch, jnp.asarray(mask),
@@ -300,12 +285,14 @@ class TeamLearner:
             except memory_plan.MemoryPlanError:
                 if i == len(candidates) - 1:
                     raise
-        self.update_cfg = ucfg
-        self._checked_updates.add(key)
+        self.run_state.choose_remat(ucfg.remat)
+        self.run_state.checked_updates.add(key)
 
-    def update_plan(self, state: TrainState, traj) -> tuple[packing.UpdatePlan | None, dict]:
+    def update_plan(self, state: TrainState, traj, policy: packing.ShapePolicy | None = None
+                    ) -> tuple[packing.UpdatePlan | None, dict]:
         """The packed policy inputs of this iteration's update (None: the padded layout), and
-        the valid / computed token counts of its policy forwards."""
+        the valid / computed token counts of its policy forwards. ``policy``: the packed shapes
+        (default: the run's, ``run_state.update``)."""
         u = self.update_cfg
         S, B, N, L, K = traj.shape
         if not self.pack_sequences:
@@ -314,30 +301,27 @@ class TeamLearner:
         perms = packing.minibatch_perms(state.rng, B, u.ppo.num_minibatches, u.ppo.epochs)
         plan, stats = packing.plan_update(np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid),
                                           np.asarray(traj.act_tokens), np.asarray(traj.act_valid), perms,
-                                          micro_batches=u.ppo.micro_batches, policy=self.update_shapes,
+                                          micro_batches=u.ppo.micro_batches,
+                                          policy=self.run_state.update if policy is None else policy,
                                           pad_id=self.tokenizer.pad_id, share=self.share_prefixes)
         return jax.tree.map(jnp.asarray, plan), stats
 
     def mesh_context(self):
         """The run's mesh as JAX's context mesh (where :func:`~marft_jax.models.sharding.constrain_rows`
-        applies); a null context on one device."""
-        return contextlib.nullcontext() if self.placement is None else jax.set_mesh(self.placement.mesh)
+        applies)."""
+        return jax.set_mesh(self.placement.mesh)
 
     def place_state(self, state: TrainState) -> TrainState:
-        """The train state (LoRA stack, critic, optimizer states, RNG) replicated on the mesh;
-        without a mesh, committed to the one device, as a restored checkpoint's arrays are (an
-        uncommitted fresh state and a committed restored one are different jit signatures, so a
-        run resumed in the same process would compile every program again)."""
-        if self.placement is None:
-            return jax.device_put(state, jax.local_devices()[0])
+        """The train state (LoRA stack, critic, optimizer states, RNG) replicated on the mesh, a
+        fresh state as a restored checkpoint's (an uncommitted fresh state and a committed
+        restored one are different jit signatures, so a run resumed in the same process would
+        compile every program again)."""
         return self.placement.replicate(state)
 
     def place_update(self, batch, plan):
         """The update's inputs on the mesh: batch rows (and packed rows) split over the row
         shards, minibatch permutations and gather tables replicated."""
         p = self.placement
-        if p is None:
-            return batch, plan
         batch = p.tree_rows(batch, layout.BATCH_AXIS)
         if plan is not None:
             plan = plan.replace(perms=p.replicate(plan.perms), gather=p.replicate(plan.gather),

@@ -30,49 +30,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from marft_jax.config import AlgoConfig, PPOConfig, RolloutConfig
 from marft_jax.models import decoder, sharding
 from marft_jax.models import logprobs as lp_lib
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.critic import CriticParams, value_head
 from marft_jax.models.lora import LoraStack
-from marft_jax.rl import backups, layout, packing, rewards
-from marft_jax.rl import topology as topo
+from marft_jax.rl import advantages, layout, packing
+from marft_jax.rl.advantages import AdvantageConfig
 from marft_jax.rl.trajectory import Trajectory
 from marft_jax.rl.update import UpdateBatch
-
-
-@dataclasses.dataclass(frozen=True)
-class AdvantageConfig:
-    """What the preparation reads (static): the run's ``algo`` (level, rewards, backups), ``ppo``
-    (``logp_old``) and ``rollout`` (the training temperature of recomputed log-probs) sections
-    themselves, and the team graph."""
-
-    algo: AlgoConfig = AlgoConfig()
-    ppo: PPOConfig = PPOConfig()
-    rollout: RolloutConfig = RolloutConfig()
-    independent: bool = False           # independent learners (own rewards) without a topology object
-    topology: topo.Topology | None = None   # the team graph (None: the chain)
-    layer_links: str = "chain"          # the team's layer_links: chain | layer
-    share_prefixes: bool = True         # a (row, agent)'s steps share their common prefix (packing)
-    chunk: int = 128
-    tokens_per_call: int = 4096         # packed slots per forward call (memory bound)
-
-    @property
-    def independent_learners(self) -> bool:
-        """Independent PPO: each agent learns from its own reward (``independent`` or the graph's)."""
-        return self.independent or (self.topology is not None and self.topology.independent)
-
-    def links(self, num_steps: int, num_agents: int | None = None) -> topo.LinkTable | None:
-        """The backup's link table for ``num_steps`` steps (independent learners: each agent linked
-        to itself, ``topology.per_agent_links``); None for the chain without a graph.
-        ``num_agents`` is read only without a topology."""
-        n = num_agents if self.topology is None else self.topology.num_agents
-        if self.independent_learners:
-            if n is None:
-                raise ValueError("AdvantageConfig.links: independent learners without a topology need num_agents")
-            return topo.per_agent_links(num_steps, n)
-        return None if self.topology is None else self.topology.links(num_steps, self.layer_links)
 
 
 @dataclasses.dataclass
@@ -161,6 +127,13 @@ class _Prepared:
     ret: jax.Array
 
 
+def _split_rows(x: _BackupInputs) -> _BackupInputs:
+    """Every row's values and backup depend on that row alone: under a context mesh they stay
+    split over the row shards (else each device would compute the whole batch's backup)."""
+    return _BackupInputs(**{f.name: sharding.constrain_rows(getattr(x, f.name), axis=0 if f.name == "boot_ctx_valid" else 1)
+                            for f in dataclasses.fields(x)})
+
+
 @functools.partial(jax.jit, static_argnames=("cfg", "acfg", "n_main"))
 def _values_and_backups(base, critic: CriticParams, calls: tuple[packing.PackedRows, ...], gather,
                         x: _BackupInputs, *, cfg: ModelConfig, acfg: AdvantageConfig, n_main: int) -> _Prepared:
@@ -169,18 +142,24 @@ def _values_and_backups(base, critic: CriticParams, calls: tuple[packing.PackedR
     value head, the bootstrap values and the backup, in one program."""
     S, B, N, K = x.act_valid.shape
     out = _packed_hidden_at_fn(base, critic.lora, calls, gather, cfg=cfg)
-    # Every row's values and backup depend on that row alone: under a context mesh they stay
-    # split over the row shards (else each device would compute the whole batch's backup).
-    x = _BackupInputs(**{f.name: sharding.constrain_rows(getattr(x, f.name), axis=0 if f.name == "boot_ctx_valid" else 1)
-                         for f in dataclasses.fields(x)})
+    x = _split_rows(x)
     feats = layout.unflatten_responses(out[:n_main] if acfg.algo.token_level else out[:n_main, 0], (S, B, N))
     feats = sharding.constrain_rows(feats, axis=1)
     boot = sharding.constrain_rows(layout.unflatten_agents(out[n_main:, 0], N), axis=0)
     v_boot = jnp.where(x.boot_ctx_valid.any(-1), value_head(critic.head, boot), 0.0).astype(jnp.float32)
-    value, dp, placed, adv, ret = _advantages_fn(
+    value, dp, placed, adv, ret = advantages.advantages_fn(
         value_head(critic.head, feats), x.act_valid, x.step_mask, x.score, x.agent_score, x.terminal,
         x.truncated, v_boot, acfg=acfg)
     return _Prepared(feats=feats, value=value, v_boot=v_boot, dp=dp, placed=placed, adv=adv, ret=ret)
+
+
+@functools.partial(jax.jit, static_argnames=("acfg",))
+def _critic_free_backups(x: _BackupInputs, *, acfg: AdvantageConfig) -> _Prepared:
+    """A critic-free estimator's program: no feature pass, no values (``feats``, ``v_boot`` None)."""
+    x = _split_rows(x)
+    value, dp, placed, adv, ret = advantages.advantages_fn(
+        None, x.act_valid, x.step_mask, x.score, x.agent_score, x.terminal, x.truncated, None, acfg=acfg)
+    return _Prepared(feats=None, value=value, v_boot=None, dp=dp, placed=placed, adv=adv, ret=ret)
 
 
 def backup_inputs(traj: Trajectory) -> _BackupInputs:
@@ -208,13 +187,19 @@ def _host(x) -> np.ndarray:
 
 
 def _place_rows(placement, tree, axis: int):
-    """Host arrays on the device, split over the placement's row shards on ``axis``."""
-    return jax.device_put(tree) if placement is None else placement.tree_rows(tree, axis)
+    """Host arrays on the device, split over the placement's row shards on ``axis`` (None: this
+    process's first device, as a 1-device mesh)."""
+    from marft_jax.models.placement import Placement
+
+    return (placement or Placement.single()).tree_rows(tree, axis)
 
 
 def _upload(placement, tree):
-    """Host arrays on the device in one transfer (replicated over the mesh with a placement)."""
-    return jax.device_put(tree) if placement is None else placement.replicate(tree)
+    """Host arrays on the device, replicated over the placement's mesh (None: this process's
+    first device, as a 1-device mesh)."""
+    from marft_jax.models.placement import Placement
+
+    return (placement or Placement.single()).replicate(tree)
 
 
 def feature_inputs(traj: Trajectory, *, token_level: bool, tokens_per_call: int, policy: packing.ShapePolicy,
@@ -301,34 +286,44 @@ def recompute_logprobs(base, lora: LoraStack, traj: Trajectory, *, cfg: ModelCon
     return logp, ent, stats
 
 
-def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Trajectory, *,
+def prepare_update_batch(base, lora: LoraStack, critic: CriticParams | None, traj: Trajectory, *,
                          cfg: ModelConfig, acfg: AdvantageConfig, shapes: PrepareShapes | None = None,
                          keep_contexts: bool = False, placement=None) -> tuple[UpdateBatch, dict]:
-    """Old log-probs, features and values, placed rewards, the backup.
+    """Old log-probs, features and values, placed rewards, the advantages (``algo.advantage``).
 
     The host plans the packed shapes and uploads the trajectory once; the device part is one
-    jitted program (:func:`_values_and_backups`), after the recompute forward's with
-    ``logp_old="recompute"``; the metrics read its results in one transfer at the end.
+    jitted program (:func:`_values_and_backups`, or :func:`_critic_free_backups` for an
+    estimator without a critic), after the recompute forward's with ``logp_old="recompute"``;
+    the metrics read its results in one transfer at the end.
 
     Args:
+      critic: the critic (None exactly when the estimator is critic-free: no feature pass).
       shapes: the run's packed-shape caches (a fresh one per call when None: more compiles).
       keep_contexts: keep the padded contexts in the batch (the update's padded path, or a
         critic LoRA that recomputes its features); otherwise ``ctx_tokens``/``ctx_valid`` are None
         and the update reads packed rows.
       placement: the run's :class:`~marft_jax.train.placement.Placement` (None: one device);
         the forwards' packed rows are split over its row shards.
-    Returns the :class:`UpdateBatch` (device arrays) and host metrics (explained variance,
-    sampler/trainer log-prob mismatch, mean value, token counts of the pass).
+    Returns the :class:`UpdateBatch` (device arrays; ``feats``, ``v_old``, ``ret`` None without a
+    critic) and host metrics (explained variance, sampler/trainer log-prob mismatch, mean value,
+    token counts of the pass).
     """
-    if critic.lora is not None and traj.critic_ctx_tokens is not None:
+    with_critic = advantages.needs_critic(acfg.algo)
+    if with_critic != (critic is not None):
+        raise ValueError(f"algo.advantage={acfg.algo.advantage!r} "
+                         + ("needs a critic: the train state has none" if with_critic
+                            else "is critic-free: build the train state without a critic"))
+    if with_critic and critic.lora is not None and traj.critic_ctx_tokens is not None:
         raise ValueError("a critic LoRA (ppo.critic_lora) cannot train on a trajectory whose critic contexts "
                          "differ from the policy contexts (a non-chain team graph)")
     shapes = shapes or PrepareShapes()
     from_sampler = acfg.ppo.logp_old == "sampler" and traj.policy_logp is not None
     # Host: the feature pass's packing plan, then every trajectory array the device reads, uploaded once.
-    calls, gather, n_main, stats = feature_inputs(traj, token_level=acfg.algo.token_level,
-                                                  tokens_per_call=acfg.tokens_per_call, policy=shapes.features,
-                                                  placement=placement, share=acfg.share_prefixes)
+    stats = {"valid_tokens": 0, "unique_tokens": 0, "computed_tokens": 0}
+    if with_critic:
+        calls, gather, n_main, stats = feature_inputs(traj, token_level=acfg.algo.token_level,
+                                                      tokens_per_call=acfg.tokens_per_call, policy=shapes.features,
+                                                      placement=placement, share=acfg.share_prefixes)
     host = {"act_tokens": traj.act_tokens, "word_count": traj.word_count,
             "backup": backup_inputs(traj)}
     if from_sampler:
@@ -344,15 +339,19 @@ def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Traj
             policy=shapes.logprobs, placement=placement, share=acfg.share_prefixes,
             actions=(dev["act_tokens"], act_valid))
         stats = {k: v + st[k] for k, v in stats.items()}
-    out = _values_and_backups(base, critic, calls, gather, dev["backup"], cfg=cfg, acfg=acfg, n_main=n_main)
+    if with_critic:
+        out = _values_and_backups(base, critic, calls, gather, dev["backup"], cfg=cfg, acfg=acfg, n_main=n_main)
+    else:
+        out = _critic_free_backups(dev["backup"], acfg=acfg)
     batch = UpdateBatch(ctx_tokens=dev.get("ctx_tokens"), ctx_valid=dev.get("ctx_valid"),
                         act_tokens=dev["act_tokens"], act_valid=act_valid, logp_old=dev["logp"], adv=out.adv,
-                        ret=out.ret, v_old=out.value, dp_mask=out.dp, feats=out.feats, word_count=dev["word_count"])
+                        ret=out.ret if with_critic else None, v_old=out.value if with_critic else None,
+                        dp_mask=out.dp, feats=out.feats, word_count=dev["word_count"])
     # Host: the metrics, from one transfer of the program's results.
     got = _host({"value": out.value, "ret": out.ret, "dp": out.dp, "placed": out.placed}
                 | ({} if from_sampler else {"logp": dev["logp"], "entropy": entropy}))
-    metrics = _prepare_metrics(got["value"], got["ret"], got["dp"], got["placed"], got.get("logp"),
-                               np.asarray(traj.sample_logp), np.asarray(traj.act_valid),
+    metrics = _prepare_metrics(got["value"] if with_critic else None, got["ret"], got["dp"], got["placed"],
+                               got.get("logp"), np.asarray(traj.sample_logp), np.asarray(traj.act_valid),
                                np.asarray(traj.entropy) if from_sampler else got["entropy"])
     metrics["perf/tokens/prepare/valid"] = stats["valid_tokens"]
     metrics["perf/tokens/prepare/unique"] = stats["unique_tokens"]
@@ -360,52 +359,20 @@ def prepare_update_batch(base, lora: LoraStack, critic: CriticParams, traj: Traj
     return batch, metrics
 
 
-@jax.named_scope("prepare/backups")
-def _advantages_fn(value, act_valid, step_mask, score, agent_score, terminal, truncated, v_boot, *,
-                   acfg: AdvantageConfig):
-    """Decision masks, placed rewards and the backup: ``(value masked to the decision points, dp,
-    placed, adv, ret)``."""
-    token_level = acfg.algo.token_level
-    dp = (layout.token_decision_mask(act_valid, step_mask) if token_level
-          else layout.action_decision_mask(act_valid, step_mask))
-    value = jnp.where(dp, value, 0.0)
-    links = acfg.links(step_mask.shape[0], act_valid.shape[layout.AGENT_AXIS])          # static
-    if acfg.independent_learners:   # own rewards, one copy per agent; each agent's own bootstrap
-        own = jax.vmap(lambda s: rewards.final_step_reward(s, step_mask), in_axes=2, out_axes=1)(agent_score)
-        r = rewards.mix_independent_rewards(own, acfg.algo.ippo_own_weight)               # [B, N]
-        r = _transform(r, acfg.algo)
-        placed = rewards.place_reward(r, dp, step_mask, reward_to="all")
-    else:
-        r = rewards.final_step_reward(score, step_mask)                               # [B]
-        r = _transform(r, acfg.algo)
-        placed = rewards.place_reward(r, dp, step_mask, reward_to=acfg.algo.reward_to, links=links)
-        v_boot = v_boot[:, 0]
-    adv, ret = backups.marft_gae(placed, value, dp, step_mask, terminal, truncated, v_boot,
-                                 gamma=acfg.algo.discount, lam=acfg.algo.gae_lambda,
-                                 reference_semantics=acfg.algo.reference_semantics, links=links)
-    return value, dp, placed, adv, ret
-
-
-_advantages = jax.jit(_advantages_fn, static_argnames=("acfg",))
-
-
-def _transform(r: jax.Array, algo: AlgoConfig) -> jax.Array:
-    """The ``algo`` section's reward transform: bias, scale, clip."""
-    return rewards.transform_reward(r, bias=algo.reward_bias, scale=algo.reward_scale, clip=algo.reward_clip)
-
-
 def _prepare_metrics(value, ret, dp, placed, logp, sample_logp, act_valid, ent) -> dict:
-    v, r = value[dp], ret[dp]
-    var_r = float(np.var(r)) if r.size else 0.0
-    ev = 1.0 - float(np.var(r - v)) / var_r if var_r > 1e-12 else 0.0
+    """Host metrics of the preparation; ``value`` None without a critic (no ``critic/*``)."""
     m = {}
     if logp is not None:  # recomputed: how far the sampler's log-probs are from the training forward's
         diff = np.abs(logp - sample_logp)[act_valid]
         m["rollout/logp_mismatch"] = float(diff.mean()) if diff.size else 0.0
+    if value is not None:
+        v, r = value[dp], ret[dp]
+        var_r = float(np.var(r)) if r.size else 0.0
+        ev = 1.0 - float(np.var(r - v)) / var_r if var_r > 1e-12 else 0.0
+        m |= {"critic/explained_var": ev,
+              "critic/value_mean": float(v.mean()) if v.size else 0.0,
+              "critic/return_mean": float(r.mean()) if r.size else 0.0}
     return m | {
-        "critic/explained_var": ev,
-        "critic/value_mean": float(v.mean()) if v.size else 0.0,
-        "critic/return_mean": float(r.mean()) if r.size else 0.0,
         "rollout/entropy": float(ent.reshape(act_valid.shape)[act_valid].mean()) if act_valid.any() else 0.0,
         "rewards/placed_sum_mean": float(placed.reshape(placed.shape[0], placed.shape[1], -1).sum((0, 2)).mean()),
     }

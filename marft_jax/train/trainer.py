@@ -28,13 +28,14 @@ import jax.numpy as jnp
 from marft_jax.config import Config, to_dict, to_yaml
 from marft_jax.envs.task import Problem, Task
 from marft_jax.profiling import StepProfiler
-from marft_jax.rl.state import TrainState, init_train_state
-from marft_jax.train.build import Run, build_run, check_names
+from marft_jax.rl.state import TrainState
+from marft_jax.train.build import Run, build_run, check_names, fresh_state
 from marft_jax.train.checkpoint import CheckpointManager, nonfinite_leaves
 from marft_jax.train.evaluate import EvalResult, evaluate
 from marft_jax.train.hosts import ProcessRows
 from marft_jax.train.metric_sinks import require_installed
 from marft_jax.train.metrics import MetricsWriter
+from marft_jax.train.run_state import CHECKPOINT_KEY as RUN_STATE_KEY
 
 
 class ProblemStream:
@@ -70,10 +71,13 @@ class ProblemStream:
         self.position += 1
         return p
 
-    def take(self, n: int) -> list[Problem]:
-        """This process's problems of the next ``n`` (all ``n`` on one process)."""
+    def take(self, n: int, group_size: int = 1) -> list[Problem]:
+        """This process's rows of a batch of ``n`` (all ``n`` on one process): the next
+        ``n / group_size`` problems, each repeated ``group_size`` times in consecutive rows (the
+        groups ``algo.advantage=group`` baselines)."""
         lo, hi = self.rows.bounds(n)
-        drawn = [self._next() for _ in range(n)]     # a task's order is an iterator: every problem is drawn
+        # a task's order is an iterator: every problem is drawn
+        drawn = [p for p in (self._next() for _ in range(n // group_size)) for _ in range(group_size)]
         return drawn[lo:hi]
 
 
@@ -199,8 +203,7 @@ def train(cfg: Config, *, resume: bool = True, stop_after: int | None = None) ->
 
 def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int | None) -> dict:
     learner = run.learner
-    state = init_train_state(jax.random.key(cfg.train.seed), run.model.cfg, cfg.lora, cfg.team.num_agents,
-                             cfg.optim, critic_lora=cfg.ppo.critic_lora)
+    state = fresh_state(cfg, run.model.cfg)
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.train.keep_last, async_save=True)
     start, position, env_samples, before = 0, 0, 0, None
     saved_at = None  # the step whose checkpoint holds `state` (not saved again: orbax cannot overwrite in place)
@@ -210,8 +213,7 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
         start, position = int(extra["iteration"]), int(extra["data_position"])
         saved_at = start
         env_samples, before = int(extra["env_samples"]), extra.get("eval_before")
-        learner.context_bucket = int(extra.get("context_bucket", 0))
-        learner.load_packed_shapes(extra.get("packed_shapes", {}))
+        learner.run_state.restore(extra)      # context bucket, packed shapes, remat choice
         print(f"resumed from {ckpt.step_path(start)} (iteration {start})")
     state = learner.place_state(state)
     sink_options = {"wandb": {**dataclasses.asdict(cfg.train.wandb), "config": to_dict(cfg)}}
@@ -245,8 +247,7 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
         if i == saved_at:
             return
         extra = {"iteration": i, "data_position": stream.position, "env_samples": env_samples,
-                 "eval_before": before, "context_bucket": learner.context_bucket,
-                 "packed_shapes": learner.packed_shapes(), "metrics": last_metrics}
+                 "eval_before": before, RUN_STATE_KEY: learner.run_state.to_json(), "metrics": last_metrics}
         if ckpt.save(i, state, extra, force=True):
             saved_at = i
         else:
@@ -268,14 +269,15 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
                 budget_hit = True
                 break
             t_step = time.perf_counter()
-            problems = stream.take(cfg.rollout.rows)
+            problems = stream.take(cfg.rollout.rows, cfg.rollout.group_size)
             backup = jax.tree.map(jnp.copy, state)  # the update donates `state`
+            on_stage = None
             if it == start:   # the first iteration compiles every program: show its stages as they end
                 print(f"iteration {it + 1}: first of this run, compiling as it goes ...", flush=True)
-                learner.on_stage = lambda name, s: print(f"  {name}: {s:.1f}s", flush=True)
+                on_stage = lambda name, s: print(f"  {name}: {s:.1f}s", flush=True)
             profiler.before(it)
             state, m, texts = learner.iteration(state, problems, iteration=it, env_samples=env_samples,
-                                                key=jax.random.fold_in(seed_key, it))
+                                                key=jax.random.fold_in(seed_key, it), on_stage=on_stage)
             overflow_noted = overflow_noted or _note_overflow(cfg, texts, it)
             profiler.after(it)
             if not _finite(m) or nonfinite_leaves(state):
@@ -284,7 +286,6 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
                 m = {k: v for k, v in m.items() if isinstance(v, (int, float)) and math.isfinite(v)}
                 m["train/nonfinite_skipped"] = skipped
                 print(f"iteration {it + 1}: non-finite loss or parameters, update skipped", file=sys.stderr)
-            learner.on_stage = None
             env_samples = int(m.get("env_samples", env_samples))
             last_step_s = time.perf_counter() - t_step
             it += 1

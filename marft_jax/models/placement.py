@@ -1,4 +1,5 @@
-"""Where each array of a run lives on the mesh (docs/many_devices.md has the table).
+"""Where each array of a run lives on the mesh (docs/many_devices.md has the table). A run on
+one device has a 1-device mesh (:meth:`Placement.single`): it goes through the same code.
 
 * Base weights: by the logical-axis rules (:mod:`marft_jax.models.sharding`): ``fsdp`` on the
   embedding dimension, ``tensor`` on heads / MLP / vocabulary.
@@ -34,6 +35,12 @@ class Placement:
     mesh: Mesh
     rules: sharding.AxisRules = sharding.AxisRules()
     strict: bool = False
+
+    @classmethod
+    def single(cls, device: jax.Device | None = None, *, strict: bool = False) -> "Placement":
+        """``device`` (default: this process's first) as a ``(1, 1, 1)`` mesh."""
+        device = jax.local_devices()[0] if device is None else device
+        return cls(sharding.make_mesh(1, 1, 1, devices=[device]), strict=strict)
 
     @property
     def row_shards(self) -> int:
