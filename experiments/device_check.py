@@ -705,7 +705,7 @@ def part_iteration(small: bool, budget: Budget, emit: Callable[[dict], None]) ->
                     "seconds": secs, "stages_s": {k.removeprefix("timing_s/"): v for k, v in m.items()
                                                   if k.startswith("timing_s/")},
                     "compiles": m.get("perf/compiles"), "mfu": m.get("perf/mfu"),
-                    "hbm_bw_util": m.get("perf/hbm_bw_util"), "remat": str(learner.update_cfg.remat),
+                    "hbm_bw_util": m.get("perf/hbm_bw_util"), "remat": str(learner.update_config().remat),
                     "peak_device_memory_bytes": _peak_memory()})
                 emit(out)
         finally:

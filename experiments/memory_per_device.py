@@ -11,7 +11,7 @@ training loop places them (:mod:`marft_jax.models.placement`, ``TeamLearner.plac
   (``prepare._values_and_backups``, the one program ``prepare_update_batch`` runs);
 * ``update``: ``rl.update.ppo_update``, every epoch, minibatch and agent of one iteration (critic
   step, then the agent scan with HAPPO weighting and micro-batches), with the packed plan the
-  learner builds (``TeamLearner.update_plan``);
+  learner builds (``TeamLearner.pack_update``);
 * ``sampler_prefill``, ``sampler_decode_first``, ``sampler_resize``, ``sampler_decode_last``: one
   sampler call of a whole batch (``sampling.sampler``: the prefill, the first decode phase, the
   ``resize`` that grows the cache into the last phase, the last phase's decode), with the prompt
@@ -435,11 +435,11 @@ def _measure(args) -> dict:
                                 act_valid=traj.act_valid, logp_old=traj.policy_logp, adv=adv, ret=ret, v_old=value,
                                 dp_mask=dp, feats=feats, word_count=traj.word_count)
             with learner.mesh_context():
-                upd_plan, ustats = learner.update_plan(types.SimpleNamespace(rng=jax.random.key(0)), traj)
+                upd_plan, ustats = learner.pack_update(types.SimpleNamespace(rng=jax.random.key(0)), traj)
                 batch, upd_plan = learner.place_update(batch, upd_plan)
                 mask = jnp.ones((N,), bool)
                 plan("update", ppo_update, base, state, batch, mask, jnp.asarray(True), cfg=mcfg, ucfg=ucfg,
-                     plan=upd_plan)
+                     packed=upd_plan)
 
             # --- one sampler call (Sampler.__call__'s buckets and phases; sequential: one agent, B rows)
             smp = sampler_lib.Sampler(mcfg, pad_id=pad_id, stop_ids=stop_ids, max_prompt_len=r.context_window)

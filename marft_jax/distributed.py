@@ -34,7 +34,7 @@ _CLUSTER_MARKERS = {
 
 
 @dataclasses.dataclass(frozen=True)
-class DistPlan:
+class InitDecision:
     """What :func:`initialize` will do: ``why`` says it in words (logged)."""
 
     initialize: bool
@@ -79,8 +79,8 @@ def detect_cloud_tpu_slice() -> TpuSlice | None:
         return TpuSlice(None, f"{type(e).__name__}: {e}"[:300])
 
 
-def plan_initialize(dist: DistSection, env: dict | None = None,
-                    detect_tpu: Callable[[], TpuSlice | None] | None = detect_cloud_tpu_slice) -> DistPlan:
+def decide_initialize(dist: DistSection, env: dict | None = None,
+                    detect_tpu: Callable[[], TpuSlice | None] | None = detect_cloud_tpu_slice) -> InitDecision:
     """Decide whether and how to call ``jax.distributed.initialize`` (pure but for
     ``detect_tpu``, which runs only when nothing in ``dist`` or ``env`` decides).
 
@@ -95,25 +95,25 @@ def plan_initialize(dist: DistSection, env: dict | None = None,
     num = dist.num_processes if dist.num_processes is not None else _int_env(env, "JAX_NUM_PROCESSES")
     pid = dist.process_id if dist.process_id is not None else _int_env(env, "JAX_PROCESS_ID")
     if dist.initialize == "off":
-        return DistPlan(False, "dist.initialize=off: one process")
+        return InitDecision(False, "dist.initialize=off: one process")
     if coordinator is not None:
         if ":" not in coordinator:
             raise ConfigError(f"dist.coordinator={coordinator!r}: must be host:port")
-        return DistPlan(True, f"coordinator {coordinator}", coordinator, num, pid)
+        return InitDecision(True, f"coordinator {coordinator}", coordinator, num, pid)
     found = [name for name, present in _CLUSTER_MARKERS.items() if present(env)]
     if dist.initialize == "on" or found:
         why = f"detected {found[0]}" if found else "dist.initialize=on"
-        return DistPlan(True, why, None, num, pid)
+        return InitDecision(True, why, None, num, pid)
     tpu = detect_tpu() if detect_tpu is not None else None
     if tpu is None:
-        return DistPlan(False, "no coordinator and no multi-process cluster detected: one process")
+        return InitDecision(False, "no coordinator and no multi-process cluster detected: one process")
     if tpu.processes is None:
-        return DistPlan(False, f"Cloud TPU VM, but JAX's slice detection failed ({tpu.error}): one process; "
+        return InitDecision(False, f"Cloud TPU VM, but JAX's slice detection failed ({tpu.error}): one process; "
                                "on a multi-host slice set dist.initialize=on or dist.coordinator")
     if tpu.processes > 1:
-        return DistPlan(True, f"detected a Cloud TPU VM slice of {tpu.processes} hosts (JAX's metadata detection)",
+        return InitDecision(True, f"detected a Cloud TPU VM slice of {tpu.processes} hosts (JAX's metadata detection)",
                         None, num, pid)
-    return DistPlan(False, "single-host Cloud TPU VM: one process")
+    return InitDecision(False, "single-host Cloud TPU VM: one process")
 
 
 def _int_env(env: dict, name: str) -> int | None:
@@ -126,9 +126,9 @@ def _int_env(env: dict, name: str) -> int | None:
         raise ConfigError(f"environment variable {name}={v!r}: must be an integer") from None
 
 
-def initialize(dist: DistSection) -> DistPlan:
+def initialize(dist: DistSection) -> InitDecision:
     """Connect this process to the others when the plan says so (once per process)."""
-    plan = plan_initialize(dist)
+    plan = decide_initialize(dist)
     if plan.initialize and not jax.distributed.is_initialized():
         jax.distributed.initialize(coordinator_address=plan.coordinator, num_processes=plan.num_processes,
                                    process_id=plan.process_id, initialization_timeout=dist.timeout_s,

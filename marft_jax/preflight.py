@@ -428,12 +428,12 @@ def training_programs(run: RunModel, lrn, traj, *, label: str, shapes=None,
                       "ppo.share_prefixes, rollout.rows", fn, fargs, fkw, mesh)
     # The recompute forward (ppo.logp_old=recompute): recompute_logprobs' arguments.
     perms = np.arange(B, dtype=np.int32)[None, None]
-    plan, _ = packing.plan_update(np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid), np.asarray(traj.act_tokens),
+    packed, _ = packing.pack_update(np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid), np.asarray(traj.act_tokens),
                                   np.asarray(traj.act_valid), perms, micro_batches=1, policy=lp_policy,
                                   share=acfg.share_prefixes)
-    lp_rows = prepare._place_rows(placement, jax.tree.map(lambda x: x[0, 0], plan.rows), 1)
+    lp_rows = prepare._place_rows(placement, jax.tree.map(lambda x: x[0, 0], packed.rows), 1)
     actions = prepare._upload(placement, (np.asarray(traj.act_tokens), np.asarray(traj.act_valid)))
-    largs = (run.base, run.state.lora, _abstract(lp_rows), _abstract(prepare._upload(placement, plan.gather[0, 0])),
+    largs = (run.base, run.state.lora, _abstract(lp_rows), _abstract(prepare._upload(placement, packed.gather[0, 0])),
              *_abstract(actions), jnp.float32(cfg.rollout.temperature))
     yield Program("recompute", f"{label}: rows {packing.format_shape(tuple(r.tokens.shape[-2:] for r in lp_rows))}",
                   "ppo.logp_old (sampler skips it)", prepare._packed_logprobs, largs,
@@ -452,18 +452,16 @@ def training_programs(run: RunModel, lrn, traj, *, label: str, shapes=None,
                         word_count=host["word_count"])
     batch = jax.tree.map(lambda x: _rows_struct(placement, x, layout.BATCH_AXIS), batch)
     state = run.state.replace(rng=jax.random.key(cfg.train.seed))
-    plan, _ = lrn.update_plan(state, traj, policy=upd_policy)
-    if plan is not None:
-        _, plan = lrn.place_update(None, plan)
-        plan = _abstract(plan)
-    rows = "padded" if plan is None else "packed rows " + packing.format_shape(
-        tuple(r.tokens.shape[-2:] for r in plan.rows))
+    packed, _ = lrn.pack_update(state, traj, policy=upd_policy)
+    if packed is not None:
+        _, packed = lrn.place_update(None, packed)
+        packed = _abstract(packed)
+    rows = "padded" if packed is None else "packed rows " + packing.format_shape(
+        tuple(r.tokens.shape[-2:] for r in packed.rows))
     mask, flag = placement.replicate(np.ones((N,), bool)), placement.replicate(np.asarray(True))
     # model.remat=auto on an accelerator: the learner picks the first of these whose memory plan fits
     # (TeamLearner.check_update_memory), so each may be the run's program.
-    remats = [lrn.update_cfg.remat]
-    if lrn.update_cfg.remat is None and jax.default_backend() != "cpu":
-        remats = ["none", "dots_no_batch", "full"]
+    remats = lrn.run_state.remat_candidates(lrn.update_cfg.remat, accelerator=jax.default_backend() != "cpu")
     for schedule in (cfg.ppo.agent_schedule,) if schedules is None else schedules:
         for remat in remats:
             ppo = dataclasses.replace(lrn.update_cfg.ppo, agent_schedule=schedule)
@@ -471,7 +469,7 @@ def training_programs(run: RunModel, lrn, traj, *, label: str, shapes=None,
             name = "update" if schedule == "sequential" else f"update ({schedule} agents)"
             shape = f"{label}: {rows}" + ("" if len(remats) == 1 else f", remat {remat}")
             yield Program(name, shape, "ppo.micro_batches, model.remat, rollout.rows", ppo_update,
-                          (run.base, run.state, batch, mask, flag), dict(cfg=model, ucfg=ucfg, plan=plan), mesh)
+                          (run.base, run.state, batch, mask, flag), dict(cfg=model, ucfg=ucfg, packed=packed), mesh)
 
 
 def fixed_shape_policies(lrn, traj, row_len: int):

@@ -74,11 +74,11 @@ def micro_batched_update(packed: bool) -> dict:
     state0 = init_train_state(jax.random.key(1), CFG, LoraConfig(rank=4), AGENTS, ucfg.optim)
     # LoRA b starts at zero: perturb it so the policy (and its gradient) depends on both factors.
     state0 = state0.replace(lora=jax.tree.map(lambda x: x + 0.01, state0.lora))
-    plan = None
+    packed = None
     if packed:
         perms = packing.minibatch_perms(state0.rng, ROWS, ucfg.ppo.num_minibatches, ucfg.ppo.epochs)
         # The same packed shape on both meshes (rows a multiple of D): only the placement differs.
-        plan, _ = packing.plan_update(traj.ctx_tokens, traj.ctx_valid, traj.act_tokens, traj.act_valid, perms,
+        packed, _ = packing.pack_update(traj.ctx_tokens, traj.ctx_valid, traj.act_tokens, traj.act_valid, perms,
                                       micro_batches=D, policy=packing.ShapePolicy(row_multiple=D))
         batch = batch.replace(ctx_tokens=None, ctx_valid=None)
     base0 = decoder.init_params(jax.random.key(0), CFG)
@@ -88,14 +88,14 @@ def micro_batched_update(packed: bool) -> dict:
         p = Placement(mesh)
         base, state = p.base(base0), p.replicate(jax.tree.map(jnp.array, state0))
         b = p.tree_rows(batch, 1)
-        pl = None if plan is None else plan.replace(
-            perms=p.replicate(plan.perms), gather=p.replicate(plan.gather),
-            rows=p.tree_rows(plan.rows, packing.UPDATE_ROWS_AXIS))
+        pl = None if packed is None else packed.replace(
+            perms=p.replicate(packed.perms), gather=p.replicate(packed.gather),
+            rows=p.tree_rows(packed.rows, packing.UPDATE_ROWS_AXIS))
         mask, flag = p.replicate(np.ones(AGENTS, bool)), p.replicate(np.asarray(True))
         with jax.set_mesh(mesh):
-            compiled = ppo_update.lower(base, state, b, mask, flag, cfg=CFG, ucfg=ucfg, plan=pl).compile()
+            compiled = ppo_update.lower(base, state, b, mask, flag, cfg=CFG, ucfg=ucfg, packed=pl).compile()
             out[f"flops_{label}"] = _flops(compiled)
-            new, metrics = compiled(base, state, b, mask, flag, plan=pl)
+            new, metrics = compiled(base, state, b, mask, flag, packed=pl)
         results[label] = (new.lora, new.critic, metrics)
     out["flops_per_device"] = out.pop("flops_mesh")
     out["max_abs_diff"] = _max_diff(results["1_device"], results["mesh"])

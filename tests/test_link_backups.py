@@ -283,7 +283,7 @@ def test_table_errors_name_the_problem():
         backups.marft_gae(*args[:-1], jnp.zeros((1, 2)), gamma=1.0, lam=1.0, impl="scan", links=not_own)
     loop = _table([[1, 0]], [[1, 0]], [[0, 0]], [[0, 0]])
     with pytest.raises(ValueError, match="cycle"):
-        backups.link_plan(loop)
+        backups.link_index(loop)
 
 
 def test_native_linked_program_is_one_custom_call():

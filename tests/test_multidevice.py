@@ -190,25 +190,25 @@ def test_mesh_and_dist_keys_are_validated():
 
 
 def test_distributed_start_up_plan_reads_config_env_and_clusters():
-    from marft_jax.distributed import plan_initialize
+    from marft_jax.distributed import decide_initialize
 
-    assert not plan_initialize(DistSection(), env={}).initialize
-    p = plan_initialize(DistSection(), env={"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",
+    assert not decide_initialize(DistSection(), env={}).initialize
+    p = decide_initialize(DistSection(), env={"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4",
                                             "JAX_PROCESS_ID": "3"})
     assert (p.initialize, p.coordinator, p.num_processes, p.process_id) == (True, "10.0.0.1:1234", 4, 3)
-    p = plan_initialize(DistSection(coordinator="h:1", num_processes=2, process_id=0),
+    p = decide_initialize(DistSection(coordinator="h:1", num_processes=2, process_id=0),
                         env={"JAX_PROCESS_ID": "1"})
     assert (p.coordinator, p.num_processes, p.process_id) == ("h:1", 2, 0)        # config wins
     slurm = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "16"}
-    assert plan_initialize(DistSection(), env=slurm).why == "detected SLURM"
-    assert not plan_initialize(DistSection(), env={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}).initialize
-    assert plan_initialize(DistSection(), env={"TPU_WORKER_HOSTNAMES": "a,b"}).initialize
-    assert not plan_initialize(DistSection(initialize="off"), env=slurm).initialize
-    assert plan_initialize(DistSection(initialize="on"), env={}).initialize
+    assert decide_initialize(DistSection(), env=slurm).why == "detected SLURM"
+    assert not decide_initialize(DistSection(), env={"SLURM_JOB_ID": "7", "SLURM_NTASKS": "1"}).initialize
+    assert decide_initialize(DistSection(), env={"TPU_WORKER_HOSTNAMES": "a,b"}).initialize
+    assert not decide_initialize(DistSection(initialize="off"), env=slurm).initialize
+    assert decide_initialize(DistSection(initialize="on"), env={}).initialize
     with pytest.raises(ConfigError, match=r"dist\.coordinator='nohost': must be host:port"):
-        plan_initialize(DistSection(coordinator="nohost"), env={})
+        decide_initialize(DistSection(coordinator="nohost"), env={})
     with pytest.raises(ConfigError, match="JAX_NUM_PROCESSES='two'"):
-        plan_initialize(DistSection(), env={"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two"})
+        decide_initialize(DistSection(), env={"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_NUM_PROCESSES": "two"})
 
 
 def test_the_compilation_cache_is_on_for_accelerators_off_on_cpu_and_validated(tmp_path, monkeypatch):
@@ -258,7 +258,7 @@ def test_a_gce_tpu_vm_slice_without_environment_variables_is_initialized_by_jax_
     """A GCE TPU VM slice sets no environment variable: JAX finds its peers through the metadata
     server. The plan asks that detection (faked here) only when nothing else decides, and lets
     ``jax.distributed.initialize()`` detect coordinator, count and index itself."""
-    from marft_jax.distributed import TpuSlice, detect_cloud_tpu_slice, plan_initialize
+    from marft_jax.distributed import TpuSlice, detect_cloud_tpu_slice, decide_initialize
 
     asked = []
 
@@ -268,18 +268,18 @@ def test_a_gce_tpu_vm_slice_without_environment_variables_is_initialized_by_jax_
             return None if processes == "no tpu" else TpuSlice(processes, error)
         return detect
 
-    p = plan_initialize(DistSection(), env={}, detect_tpu=fake(4))
+    p = decide_initialize(DistSection(), env={}, detect_tpu=fake(4))
     assert (p.initialize, p.coordinator, p.num_processes, p.process_id) == (True, None, None, None)
     assert "Cloud TPU VM slice of 4 hosts" in p.why
-    assert not plan_initialize(DistSection(), env={}, detect_tpu=fake(1)).initialize          # one v5e-8 host
-    assert not plan_initialize(DistSection(), env={}, detect_tpu=fake("no tpu")).initialize
-    failed = plan_initialize(DistSection(), env={}, detect_tpu=fake(None, "ConnectionError: metadata"))
+    assert not decide_initialize(DistSection(), env={}, detect_tpu=fake(1)).initialize          # one v5e-8 host
+    assert not decide_initialize(DistSection(), env={}, detect_tpu=fake("no tpu")).initialize
+    failed = decide_initialize(DistSection(), env={}, detect_tpu=fake(None, "ConnectionError: metadata"))
     assert not failed.initialize and "dist.initialize=on" in failed.why and "ConnectionError" in failed.why
     asked.clear()       # an explicit decision never queries the metadata server
     for dist, env in ((DistSection(initialize="off"), {}), (DistSection(initialize="on"), {}),
                       (DistSection(), {"JAX_COORDINATOR_ADDRESS": "h:1"}),
                       (DistSection(), {"TPU_WORKER_HOSTNAMES": "a,b"})):
-        plan_initialize(dist, env=env, detect_tpu=fake(4))
+        decide_initialize(dist, env=env, detect_tpu=fake(4))
     assert asked == []
     assert detect_cloud_tpu_slice() is None        # this CPU machine is no Cloud TPU VM: no request made
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -171,15 +170,15 @@ def test_packed_update_equals_padded(level, classes, L):
 
     perms = packing.minibatch_perms(state.rng, 4, 2, 2)
     host = jax.tree.map(np.asarray, batch)
-    plan, stats = packing.plan_update(host.ctx_tokens, host.ctx_valid, host.act_tokens, host.act_valid, perms,
+    packed, stats = packing.pack_update(host.ctx_tokens, host.ctx_valid, host.act_tokens, host.act_valid, perms,
                                       micro_batches=2, policy=packing.ShapePolicy(
                                           reuse_slack=100.0, seen=[classes] if classes else []))
     assert stats["computed_tokens"] >= stats["valid_tokens"] > 0
     if classes:   # a compiled two-class shape that fits is reused: short and long sequences apart
-        assert stats["shape"] == classes and len(plan.rows) == 2
+        assert stats["shape"] == classes and len(packed.rows) == 2
     packed_batch = batch.replace(ctx_tokens=None, ctx_valid=None)
     new_state, met = ppo_update(base, copy(state), packed_batch, mask, flag, cfg=CFG, ucfg=ucfg,
-                                plan=jax.tree.map(jnp.asarray, plan))
+                                packed=jax.tree.map(jnp.asarray, packed))
     for a, b in zip(jax.tree.leaves(ref_state.lora), jax.tree.leaves(new_state.lora)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
     for a, b in zip(jax.tree.leaves(ref_met), jax.tree.leaves(met)):
@@ -192,7 +191,7 @@ def test_plan_update_rejects_bad_micro_batches():
     host = jax.tree.map(np.asarray, batch)
     perms = packing.minibatch_perms(state.rng, 4, 1, 1)
     with pytest.raises(ValueError, match="ppo.micro_batches"):
-        packing.plan_update(host.ctx_tokens, host.ctx_valid, host.act_tokens, host.act_valid, perms,
+        packing.pack_update(host.ctx_tokens, host.ctx_valid, host.act_tokens, host.act_valid, perms,
                             micro_batches=3, policy=packing.ShapePolicy())
 
 

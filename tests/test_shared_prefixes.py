@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from marft_jax.config import AlgoConfig, PPOConfig
-from marft_jax.models import decoder, logprobs
+from marft_jax.models import logprobs
 from marft_jax.rl import packing
 from marft_jax.rl.update import UpdateConfig, ppo_update
 from tests.test_packing import CFG, _tiny, _trajectory, _update_setup
@@ -83,16 +83,16 @@ def test_update_with_shared_prefixes_equals_the_unshared_one(level):
     perms = packing.minibatch_perms(state.rng, 4, 1, 1)
     out = {}
     for share in (False, True):
-        plan, stats = packing.plan_update(ctx, cv, act, av, perms, micro_batches=1, policy=packing.ShapePolicy(),
+        packed, stats = packing.pack_update(ctx, cv, act, av, perms, micro_batches=1, policy=packing.ShapePolicy(),
                                           share=share)
         if share:   # each (row, agent) is one unit: its three steps' prefixes computed once
             assert stats["unique_tokens"] < 0.75 * stats["valid_tokens"]
             assert stats["computed_tokens"] < stats["valid_tokens"]
-            assert plan.rows[0].branch_ids.max() == 2
+            assert packed.rows[0].branch_ids.max() == 2
         else:
             assert stats["unique_tokens"] == stats["valid_tokens"]
         copy = jax.tree.map(jnp.copy, state)
-        out[share] = ppo_update(base, copy, batch, mask, flag, cfg=CFG, ucfg=ucfg, plan=jax.tree.map(jnp.asarray, plan))
+        out[share] = ppo_update(base, copy, batch, mask, flag, cfg=CFG, ucfg=ucfg, packed=jax.tree.map(jnp.asarray, packed))
     (ref_state, ref_met), (new_state, met) = out[False], out[True]
     for a, b in zip(jax.tree.leaves(ref_state.lora), jax.tree.leaves(new_state.lora)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
@@ -104,12 +104,12 @@ def test_shared_prefix_logprobs_equal_a_padded_forward():
     base, lora = _tiny()
     ctx, cv, act, av = _chained(S=3, B=2, N=1)
     perms = np.arange(2, dtype=np.int32)[None, None]
-    plan, stats = packing.plan_update(ctx, cv, act, av, perms, micro_batches=1, policy=packing.ShapePolicy(), share=True)
+    packed, stats = packing.pack_update(ctx, cv, act, av, perms, micro_batches=1, policy=packing.ShapePolicy(), share=True)
     assert stats["unique_tokens"] < stats["valid_tokens"]
-    rows = jax.tree.map(lambda x: jnp.asarray(x[0, 0, 0]), plan.rows)
+    rows = jax.tree.map(lambda x: jnp.asarray(x[0, 0, 0]), packed.rows)
     flat = lambda x: jnp.asarray(x[:, :, 0].reshape((-1,) + x.shape[3:]))
     fn = jax.jit(logprobs.packed_action_logprobs_fn, static_argnames=("cfg",))
-    lp, ent = fn(base, lora, jnp.int32(1), rows, jnp.asarray(plan.gather[0, 0, 0]), flat(act), flat(av), 0.7, cfg=CFG)
+    lp, ent = fn(base, lora, jnp.int32(1), rows, jnp.asarray(packed.gather[0, 0, 0]), flat(act), flat(av), 0.7, cfg=CFG)
     ref_lp, ref_ent = logprobs.action_logprobs(base, lora, jnp.int32(1), flat(ctx), flat(cv), flat(act), flat(av),
                                                0.7, cfg=CFG)
     np.testing.assert_allclose(np.asarray(lp), np.asarray(ref_lp), atol=2e-5)

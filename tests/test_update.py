@@ -14,7 +14,6 @@ import pytest
 from marft_jax.models import decoder, logprobs
 from marft_jax.config import AlgoConfig, LoraConfig, OptimConfig, PPOConfig
 from marft_jax.models.config import ModelConfig
-from marft_jax.models.critic import value_head
 from marft_jax.rl import losses
 from marft_jax.rl.state import init_train_state, policy_optimizer
 from marft_jax.rl.update import UpdateBatch, UpdateConfig, critic_update, ppo_update, update_agents

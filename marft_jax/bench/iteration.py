@@ -355,7 +355,7 @@ def run_ours(args) -> dict:
     roofline = max(roof)
     traj = captured["traj"]
     S, B, N, L, K = traj.shape
-    work, source = ours_prepare_update_work(mcfg, traj, m, learner.adv_cfg, learner.update_cfg)
+    work, source = ours_prepare_update_work(mcfg, traj, m, learner.adv_cfg, learner.update_config())
     stages = {
         "rollout": _stage(m["timing_s/rollout"], counter.work.valid_tokens, counter.work.computed_tokens,
                           counter.work.flops, roofline),

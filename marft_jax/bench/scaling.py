@@ -134,11 +134,11 @@ def _measure(args) -> dict:
             ucfg = dataclasses.replace(ucfg, ppo=dataclasses.replace(ucfg.ppo, micro_batches=micro))
             learner = TeamLearner(cfg=cfg, base=base, tokenizer=type("T", (), {"pad_id": 0})(), sampler=None,
                                   team=None, score_fn=None, rollout_cfg=None, update_cfg=ucfg, adv_cfg=acfg,
-                                  pack_sequences=True, placement=placement)   # only its plan / placement helpers
-            plan, _ = learner.update_plan(state, traj, policy=packing.ShapePolicy(row_multiple=multiple))
-            placed, plan = learner.place_update(batch, plan)
+                                  pack_sequences=True, placement=placement)   # only its packed / placement helpers
+            packed, _ = learner.pack_update(state, traj, policy=packing.ShapePolicy(row_multiple=multiple))
+            placed, packed = learner.place_update(batch, packed)
             with jax.set_mesh(mesh):
-                costs[name] = _cost(ppo_update.lower(base, state, placed, mask, flag, cfg=cfg, ucfg=ucfg, plan=plan))
+                costs[name] = _cost(ppo_update.lower(base, state, placed, mask, flag, cfg=cfg, ucfg=ucfg, packed=packed))
 
         # one sampler call: the prefill of B x N prompts and the decode loop's body
         rows = args.rows * args.agents

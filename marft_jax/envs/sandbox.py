@@ -95,9 +95,6 @@ from typing import Any
 _IS_POSIX = os.name == "posix"
 _IS_LINUX = sys.platform.startswith("linux")
 
-STATUSES = ("ok", "timeout", "memory", "file_limit", "output_limit", "crash", "stopped")
-
-
 class SandboxError(RuntimeError):
     """The sandbox itself could not run (not a verdict on the program)."""
 

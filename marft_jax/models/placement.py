@@ -25,7 +25,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from marft_jax.models import sharding
-from marft_jax.models.sharding import put as _put, to_host  # noqa: F401 (re-exported)
+from marft_jax.models.sharding import put as _put
 
 
 @dataclasses.dataclass(frozen=True)

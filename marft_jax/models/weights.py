@@ -21,7 +21,6 @@ from flax import traverse_util
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.safetensors_mmap import SafetensorsError, SafetensorsFile
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 _LAYER_KEYS = {
     "input_layernorm.weight": ("input_norm",),
     "post_attention_layernorm.weight": ("post_norm",),

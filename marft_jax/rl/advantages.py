@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from marft_jax.config import AlgoConfig, ConfigError, PPOConfig, RolloutConfig
+from marft_jax.models.critic import value_head
 from marft_jax.rl import backups, layout, rewards
 from marft_jax.rl import topology as topo
 
@@ -146,6 +147,15 @@ def needs_critic(algo: AlgoConfig) -> bool:
 def estimate(inputs: AdvantageInputs, acfg: AdvantageConfig) -> Advantages:
     """The run's estimator (``acfg.algo.advantage``) applied to ``inputs``."""
     return get(acfg.algo.advantage).fn(inputs, acfg)
+
+
+def critic_values(head, feats: jax.Array, boot_feats: jax.Array, boot_valid: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The critic's values from its cached features (docs/algorithm.md#critic): ``value`` at every
+    position, ``feats [S, B, N, H]`` or ``[S, B, N, K, H]`` -> ``[S, B, N]`` / ``[S, B, N, K]``,
+    and ``v_boot [B, N]`` float32 from ``boot_feats [B, N, H]``, 0 where ``boot_valid [B, N, L]``
+    holds no context (the row does not bootstrap)."""
+    v_boot = jnp.where(boot_valid.any(-1), value_head(head, boot_feats), 0.0).astype(jnp.float32)
+    return value_head(head, feats), v_boot
 
 
 def decision_points(act_valid: jax.Array, step_mask: jax.Array, token_level: bool) -> jax.Array:

@@ -481,7 +481,7 @@ def _solve(pts: _Points, chunk_link, v_end, *, independent, gamma, lam, impl, un
 # Link tables (team graphs): a response's last point links to a successor chunk (Topology.links).
 
 
-class LinkPlan(NamedTuple):
+class LinkIndex(NamedTuple):
     """Host-side index arrays of a :class:`~marft_jax.rl.topology.LinkTable` (static per run).
 
     Chunks ``c = s * N + i``, ``C = S * N`` the row's virtual end. ``order`` lists the chunks
@@ -498,7 +498,7 @@ class LinkPlan(NamedTuple):
     num_agents: int
 
 
-def link_plan(links: LinkTable) -> LinkPlan:
+def link_index(links: LinkTable) -> LinkIndex:
     """The visiting order and flat index arrays of ``links`` (raises on a cycle or a bad index)."""
     S, N = links.num_steps, links.num_agents
     C = S * N
@@ -526,7 +526,7 @@ def link_plan(links: LinkTable) -> LinkPlan:
                 state[d] = 2
                 order.append(d)
                 stack.pop()
-    return LinkPlan(np.asarray(order, np.int32), succ.astype(np.int32), skip.astype(np.int32),
+    return LinkIndex(np.asarray(order, np.int32), succ.astype(np.int32), skip.astype(np.int32),
                     np.asarray(links.succ_crosses, bool).reshape(C),
                     np.asarray(links.skip_crosses, bool).reshape(C), S, N)
 
@@ -540,7 +540,7 @@ def chunk_recurrence(a: jax.Array, b: jax.Array, nxt: jax.Array, end: jax.Array,
       nxt: ``[C, R]`` int32 pointers into ``[0, C]``; every pointer leads to a chunk visited
         earlier in ``order`` (or to the end ``C``), so the pointers form a forest rooted at C.
       end: ``[R]`` float32, x at the virtual end.
-      order: ``[C]`` static visiting order (:func:`link_plan`).
+      order: ``[C]`` static visiting order (:func:`link_index`).
       method: ``"scan"`` (one ``lax.scan`` over ``order``, unrolled: C is small) or ``"jump"``
         (pointer jumping: ``ceil(log2 C)`` rounds of gathers, log depth).
 
@@ -571,15 +571,15 @@ def chunk_recurrence(a: jax.Array, b: jax.Array, nxt: jax.Array, end: jax.Array,
     return A + Bf * take(A)
 
 
-def link_targets(has: jax.Array, plan: LinkPlan) -> tuple[jax.Array, jax.Array]:
+def link_targets(has: jax.Array, linked: LinkIndex) -> tuple[jax.Array, jax.Array]:
     """Per-chunk pointers of the resolved recurrence: ``[C, B]`` int32 ``where(has, succ, skip)``
     and the chunk-major ``has`` (``[S, B, N]`` bool in)."""
     has_c = layout.time_major_decisions(has, "action")                 # [C, B]
-    nxt = jnp.where(has_c, jnp.asarray(plan.succ)[:, None], jnp.asarray(plan.skip)[:, None])
+    nxt = jnp.where(has_c, jnp.asarray(linked.succ)[:, None], jnp.asarray(linked.skip)[:, None])
     return nxt.astype(jnp.int32), has_c
 
 
-def _solve_linked(pts: _Points, plan: LinkPlan, v_end, *, gamma, lam, impl):
+def _solve_linked(pts: _Points, linked: LinkIndex, v_end, *, gamma, lam, impl):
     """A table backup (``impl`` an XLA one). Returns token-shaped ``[S, B, N, K]`` (adv, ret).
 
     Per chunk the link target is ``succ`` resolved through ``skip`` past chunks without valid
@@ -604,17 +604,17 @@ def _solve_linked(pts: _Points, plan: LinkPlan, v_end, *, gamma, lam, impl):
     method = "jump" if impl == "associative" else "scan"
     to_c = lambda x: layout.time_major_decisions(x, "action")          # [S, B, N] -> [C, B]
     from_c = lambda x: layout.from_time_major_decisions(x, (s_, n_))  # [C, B] -> [S, B, N]
-    succ = jnp.asarray(plan.succ)
+    succ = jnp.asarray(linked.succ)
     term_c = to_c(jnp.broadcast_to(pts.terminal[:, :, None], has.shape))
-    nxt, has_c = link_targets(has, plan)
+    nxt, has_c = link_targets(has, linked)
 
     first = jnp.argmax(valid, axis=-1)[..., None]                       # [S, B, N, 1]
     v_first = to_c(jnp.where(has, jnp.take_along_axis(v, first, axis=-1)[..., 0], 0.0))
-    v_in = chunk_recurrence(v_first, jnp.where(has_c, 0.0, 1.0), nxt, v_end, plan.order, method=method)
-    skip_keep = 1.0 - jnp.logical_and(jnp.asarray(plan.skip_crosses)[:, None], term_c).astype(f32)
+    v_in = chunk_recurrence(v_first, jnp.where(has_c, 0.0, 1.0), nxt, v_end, linked.order, method=method)
+    skip_keep = 1.0 - jnp.logical_and(jnp.asarray(linked.skip_crosses)[:, None], term_c).astype(f32)
     keep_in = chunk_recurrence(jnp.where(has_c, 1.0, 0.0), jnp.where(has_c, 0.0, skip_keep), nxt,
-                               jnp.ones_like(v_end), plan.order, method=method)
-    succ_keep = 1.0 - jnp.logical_and(jnp.asarray(plan.succ_crosses)[:, None], term_c).astype(f32)
+                               jnp.ones_like(v_end), linked.order, method=method)
+    succ_keep = 1.0 - jnp.logical_and(jnp.asarray(linked.succ_crosses)[:, None], term_c).astype(f32)
     chunk_link = from_c(succ_keep * keep_in[succ])                      # [S, B, N]
     v_next = from_c(v_in[succ])                                         # [S, B, N]
 
@@ -635,25 +635,25 @@ def _solve_linked(pts: _Points, plan: LinkPlan, v_end, *, gamma, lam, impl):
     a0_first = to_c(jnp.where(has, jnp.take_along_axis(a0, first, axis=-1)[..., 0], 0.0))
     g_first = to_c(jnp.where(has, chunk_link * jnp.power(gl, length.astype(f32)), 0.0))
     a_in = chunk_recurrence(a0_first, jnp.where(has_c, g_first, 1.0), nxt, jnp.zeros_like(v_end),
-                            plan.order, method=method)
+                            linked.order, method=method)
     a_next = from_c(a_in[succ])                                          # [S, B, N]
     adv = jnp.where(valid, a0 + gain * a_next[..., None], 0.0)
     return adv, jnp.where(valid, adv + v, 0.0)
 
 
-def _native_linked(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, plan: LinkPlan, *,
+def _native_linked(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, linked: LinkIndex, *,
                    gamma, lam) -> Backup:
     """``impl="native"`` with a link table (token-shaped, then reshaped)."""
     adv, ret = native.backup_linked(_tokens(reward), _tokens(value), _tokens(dp_mask), step_mask,
-                                    terminal, truncated, v_boot, native_table(plan), gamma=gamma, lam=lam)
+                                    terminal, truncated, v_boot, native_table(linked), gamma=gamma, lam=lam)
     return Backup(adv.reshape(value.shape), ret.reshape(value.shape))
 
 
-def native_table(plan: LinkPlan) -> np.ndarray:
+def native_table(linked: LinkIndex) -> np.ndarray:
     """``[4, C]`` int32 for the native kernel: visiting order, successor, skip target, and the
     crossing flags (bit 0: the successor link leaves the step, bit 1: the skip link does)."""
-    flags = plan.succ_crosses.astype(np.int32) | (plan.skip_crosses.astype(np.int32) << 1)
-    return np.stack([plan.order, plan.succ, plan.skip, flags]).astype(np.int32)
+    flags = linked.succ_crosses.astype(np.int32) | (linked.skip_crosses.astype(np.int32) << 1)
+    return np.stack([linked.order, linked.succ, linked.skip, flags]).astype(np.int32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -747,14 +747,14 @@ def _marft_gae_linked(reward, value, dp_mask, step_mask, terminal, truncated, v_
     if reference_semantics:
         raise ValueError("reference_semantics (G1's chained masks) applies to the chain links only, not to "
                          "a link table (team.layer_links=layer)")
-    plan = link_plan(links)
+    linked = link_index(links)
     if impl == "native":
-        return _native_linked(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, plan,
+        return _native_linked(reward, value, dp_mask, step_mask, terminal, truncated, v_boot, linked,
                               gamma=gamma, lam=lam)
     pts = _prepare(reward, value, dp_mask, step_mask, terminal)
     use_boot = _row_end(pts.step_mask, pts.terminal, truncated.astype(bool), False)
     v_end = jnp.where(use_boot, v_boot.astype(jnp.float32), 0.0)
-    adv, ret = _solve_linked(pts, plan, v_end, gamma=gamma, lam=lam, impl=impl)
+    adv, ret = _solve_linked(pts, linked, v_end, gamma=gamma, lam=lam, impl=impl)
     return Backup(adv.reshape(value.shape), ret.reshape(value.shape))
 
 

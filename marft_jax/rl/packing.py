@@ -458,12 +458,12 @@ def sequence(ctx_tokens: np.ndarray, ctx_valid: np.ndarray, act_tokens: np.ndarr
 # The update's groups: one per (epoch, minibatch, agent, micro-batch).
 
 
-# The row axis of UpdatePlan.rows ([E, M, N, u * R_c, T_c]): split over the data shards.
+# The row axis of PackedUpdate.rows ([E, M, N, u * R_c, T_c]): split over the data shards.
 UPDATE_ROWS_AXIS = 3
 
 
 @flax.struct.dataclass
-class UpdatePlan:
+class PackedUpdate:
     """Packed inputs of every policy forward of one :func:`~marft_jax.rl.update.ppo_update`.
 
     perms: ``[E, M, b]`` int32, the batch rows of minibatch ``m`` of epoch ``e`` (the update
@@ -487,9 +487,9 @@ def minibatch_perms(rng: jax.Array, batch: int, num_minibatches: int, epochs: in
     return np.asarray(perms).reshape(epochs, num_minibatches, batch // num_minibatches)
 
 
-def plan_update(ctx_tokens: np.ndarray, ctx_valid: np.ndarray, act_tokens: np.ndarray, act_valid: np.ndarray,
+def pack_update(ctx_tokens: np.ndarray, ctx_valid: np.ndarray, act_tokens: np.ndarray, act_valid: np.ndarray,
                 perms: np.ndarray, *, micro_batches: int, policy: ShapePolicy,
-                pad_id: int = 0, share: bool = False) -> tuple[UpdatePlan, dict]:
+                pad_id: int = 0, share: bool = False) -> tuple[PackedUpdate, dict]:
     """Pack the update's policy forwards.
 
     Args:
@@ -501,7 +501,7 @@ def plan_update(ctx_tokens: np.ndarray, ctx_valid: np.ndarray, act_tokens: np.nd
       share: one unit per (row, agent) chain of steps inside a group (:func:`share_prefixes`):
         the prefix a step repeats from the one before is computed once.
     Returns:
-      ``(UpdatePlan, stats)`` with stats ``valid_tokens`` (the sequences' tokens) /
+      ``(PackedUpdate, stats)`` with stats ``valid_tokens`` (the sequences' tokens) /
       ``unique_tokens`` (after prefix sharing) / ``computed_tokens`` (slots) over every policy
       forward (each (epoch, minibatch, agent) counted once).
     """
@@ -551,7 +551,7 @@ def plan_update(ctx_tokens: np.ndarray, ctx_valid: np.ndarray, act_tokens: np.nd
     unique = int(sum(len(u.tokens) for _, units in groups.values() for u in units))
     stats = {"valid_tokens": valid, "unique_tokens": unique,
              "computed_tokens": int(E * M * N * micro_batches * shape_slots(shape)), "shape": shape}
-    return UpdatePlan(perms=perms.astype(np.int32), rows=tuple(rows), gather=gather), stats
+    return PackedUpdate(perms=perms.astype(np.int32), rows=tuple(rows), gather=gather), stats
 
 
 def layout_costs(ctx_valid: np.ndarray, act_valid: np.ndarray, *, bucket: int = ROW_ALIGN) -> dict[str, int]:
@@ -560,7 +560,7 @@ def layout_costs(ctx_valid: np.ndarray, act_valid: np.ndarray, *, bucket: int = 
     ``padded``: every (step, row, agent) sequence padded to the trajectory's context bucket plus the
     token budget, ``[S*B*N, L + K]`` (the layout before packing). ``step_agent_buckets``: the played
     sequences of each (step, agent) padded to that group's longest, rounded up to ``bucket``. The
-    packed layout's own count is in :func:`plan_update`'s stats.
+    packed layout's own count is in :func:`pack_update`'s stats.
     """
     S, B, N, L = ctx_valid.shape
     K = act_valid.shape[-1]

@@ -152,14 +152,14 @@ def _place_at_link_ends(reward: jax.Array, valid: jax.Array, links: LinkTable, l
     if (links.num_steps, links.num_agents) != (S, N):
         raise ValueError(f"the link table is for {links.num_steps} step(s) x {links.num_agents} agent(s), the "
                          f"rewards' decision points are {S} x {N}")
-    plan = backups.link_plan(links)
+    linked = backups.link_index(links)
     has = valid if level == "action" else jnp.any(valid, axis=-1)      # [S, B, N]
-    nxt, has_c = backups.link_targets(has, plan)
+    nxt, has_c = backups.link_targets(has, linked)
     ones = jnp.ones(has.shape[1], jnp.float32)
     # 1 at a link target from which the skips reach the end without meeting a valid point.
     ends = backups.chunk_recurrence(jnp.zeros(has_c.shape, jnp.float32), jnp.where(has_c, 0.0, 1.0), nxt,
-                                    ones, plan.order)
-    hit = jnp.logical_and(has, layout.from_time_major_decisions(ends[jnp.asarray(plan.succ)] > 0.5, (S, N)))
+                                    ones, linked.order)
+    hit = jnp.logical_and(has, layout.from_time_major_decisions(ends[jnp.asarray(linked.succ)] > 0.5, (S, N)))
     if level == "action":
         return jnp.where(hit, reward[None, :, None], 0.0)
     k = jnp.arange(valid.shape[-1], dtype=jnp.int32)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import flax.struct
 import jax
-import numpy as np
 
 from marft_jax.rl import layout
 
@@ -88,15 +87,3 @@ class Trajectory:
             layout.assert_layout(getattr(self, name), name, layout.ACTION_AXES, sizes=sizes)
         for name in ("step_mask", "terminal", "truncated", "score"):
             layout.assert_layout(getattr(self, name), name, layout.STEP_AXES, sizes=sizes)
-
-    def slice_rows(self, rows) -> "Trajectory":
-        """Select batch rows (host-side numpy or device arrays)."""
-        take = lambda x, axis: x[:, rows] if axis == 1 else x[rows]
-        fields = {}
-        for f in self.__dataclass_fields__:
-            x = getattr(self, f)
-            fields[f] = None if x is None else take(x, 0 if f.startswith("boot_") else 1)
-        return Trajectory(**fields)
-
-    def to_numpy(self) -> "Trajectory":
-        return jax.tree.map(np.asarray, self)

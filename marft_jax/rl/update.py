@@ -42,7 +42,7 @@ from marft_jax.models.decoder import REMAT_AUTO_LEN, resolve_remat  # noqa: F401
 from marft_jax.models.critic import CriticParams, critic_features_fn, value_head
 from marft_jax.models.lora import LoraStack
 from marft_jax.rl import layout, losses
-from marft_jax.rl.packing import PackedRows, UpdatePlan
+from marft_jax.rl.packing import PackedRows, PackedUpdate
 from marft_jax.rl.state import TrainState, critic_optimizer, policy_optimizer
 
 
@@ -236,7 +236,7 @@ def update_agents(base, cfg: ModelConfig, ucfg: UpdateConfig, lora: LoraStack, l
     """Update every agent on one minibatch by ``ucfg.agent_schedule``. Returns new (lora, opt, metrics[N]).
 
     ``packed``: optional ``(rows, gather [N, S*b, K])`` of this minibatch, rows one
-    ``[N, u*R_c, T_c]`` PackedRows per length class (:class:`~marft_jax.rl.packing.UpdatePlan`);
+    ``[N, u*R_c, T_c]`` PackedRows per length class (:class:`~marft_jax.rl.packing.PackedUpdate`);
     without it the padded contexts are used.
     """
     fields = ("act_tokens", "act_valid", "logp_old", "adv", "dp_mask", "word_count")
@@ -355,7 +355,7 @@ def _take_rows(batch: UpdateBatch, idx: jax.Array) -> UpdateBatch:
 @functools.partial(jax.jit, static_argnames=("cfg", "ucfg"), donate_argnames=("state",))
 def ppo_update(base, state: TrainState, batch: UpdateBatch, train_mask: jax.Array, train_policy: jax.Array,
                *, cfg: ModelConfig, ucfg: UpdateConfig,
-               plan: UpdatePlan | None = None) -> tuple[TrainState, dict[str, Any]]:
+               packed: PackedUpdate | None = None) -> tuple[TrainState, dict[str, Any]]:
     """All PPO epochs and minibatches of one iteration.
 
     Args:
@@ -364,9 +364,9 @@ def ppo_update(base, state: TrainState, batch: UpdateBatch, train_mask: jax.Arra
       batch: :class:`UpdateBatch` of the whole rollout.
       train_mask: ``[N]`` bool, agents allowed to change (``interval`` trains one).
       train_policy: bool scalar, False during critic warm-up (only the critic trains).
-      plan: optional packed policy inputs (:func:`marft_jax.rl.packing.plan_update`, built with
+      packed: optional packed policy inputs (:func:`marft_jax.rl.packing.pack_update`, built with
         :func:`~marft_jax.rl.packing.minibatch_perms` of ``state.rng``, so the minibatches are
-        the ones drawn here without it). Without a plan, the padded contexts of ``batch`` are
+        the ones drawn here without it). Without it, the padded contexts of ``batch`` are
         used (then ``batch.ctx_tokens`` must be present).
     Returns:
       ``(new_state, metrics)``; per-agent metrics are ``[N]`` means over minibatches.
@@ -394,12 +394,12 @@ def ppo_update(base, state: TrainState, batch: UpdateBatch, train_mask: jax.Arra
         return jax.lax.scan(minibatch, state, xs)
 
     rng, key = jax.random.split(state.rng)
-    if plan is None:
+    if packed is None:
         perms = jax.vmap(lambda k: jax.random.permutation(k, B))(jax.random.split(key, ucfg.ppo.epochs))
         xs = (perms.reshape(ucfg.ppo.epochs, nmb, B // nmb), None)
     else:
-        chex.assert_shape(plan.perms, (ucfg.ppo.epochs, nmb, B // nmb))
-        xs = (plan.perms, (plan.rows, plan.gather))
+        chex.assert_shape(packed.perms, (ucfg.ppo.epochs, nmb, B // nmb))
+        xs = (packed.perms, (packed.rows, packed.gather))
     state, metrics = jax.lax.scan(epoch, state, xs)
     metrics = jax.tree.map(lambda x: jnp.mean(x.reshape((-1,) + x.shape[2:]), axis=0), metrics)
     return state.replace(rng=rng, step=state.step + 1), metrics

@@ -86,7 +86,7 @@ def token_counts(traj) -> tuple[int, int]:
     return ctx, int(np.asarray(traj.act_valid).sum())
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)     # compared and hashed by identity (it holds arrays)
 class TeamLearner:
     """Static pieces of a run and the iteration that uses them.
 
@@ -179,6 +179,7 @@ class TeamLearner:
     def _iteration(self, state: TrainState, problems: Sequence[Problem], *, iteration: int, env_samples: int,
                    key, report: Callable[[str, float], None]) -> tuple[TrainState, dict, object]:
         timings = {}
+        state = self.place_state(state)      # a no-op once placed; a fresh state would compile every program twice
         self.sampler.take_totals()
         with metrics_lib.Timer("step", timings):
             with jax.profiler.TraceAnnotation("rollout"), metrics_lib.Timer("rollout", timings) as t:
@@ -193,18 +194,18 @@ class TeamLearner:
                                                    acfg=self.adv_cfg, shapes=self.run_state.prepare,
                                                    keep_contexts=keep_ctx, placement=self.placement)
                 t.ready(batch.adv)
-            report("critic features + backup", t.seconds)
+            report("critic features + backup" if state.critic is not None else "advantages", t.seconds)
 
             mask, train_policy = self.train_mask(iteration, env_samples)
             with (jax.profiler.TraceAnnotation("update"), self.mesh_context(),
                   metrics_lib.Timer("update", timings) as t):
-                plan, pstats = self.update_plan(state, traj)
-                batch, plan = self.place_update(batch, plan)
-                self.check_update_memory(state, batch, plan, mask, train_policy)
+                packed, pstats = self.pack_update(state, traj)
+                batch, packed = self.place_update(batch, packed)
+                self.check_update_memory(state, batch, packed, mask, train_policy)
                 # the rollout's and any compile's freed heap go back before the update's temporaries
                 host_memory.release_free_heap()
                 state, upd = ppo_update(self.base, state, batch, jnp.asarray(mask), jnp.asarray(train_policy),
-                                        cfg=self.cfg, ucfg=self.update_config(), plan=plan)
+                                        cfg=self.cfg, ucfg=self.update_config(), packed=packed)
                 t.ready(state.lora)
             host_memory.release_free_heap()          # the update's temporaries, before the next rollout
             report("update", t.seconds)
@@ -255,7 +256,7 @@ class TeamLearner:
         remat = self.run_state.remat_for(self.update_cfg.remat)
         return self.update_cfg if remat == self.update_cfg.remat else dataclasses.replace(self.update_cfg, remat=remat)
 
-    def check_update_memory(self, state: TrainState, batch, plan, mask, train_policy) -> None:
+    def check_update_memory(self, state: TrainState, batch, packed, mask, train_policy) -> None:
         """Before the first update of each new shape: compile it (jit's cache keeps the program)
         and raise :class:`~marft_jax.train.memory_plan.MemoryPlanError`, naming the keys to
         lower, when its memory plan exceeds what the machine can give.
@@ -265,19 +266,19 @@ class TeamLearner:
         becomes the run's policy, recorded in ``run_state`` (a resumed run plans only the recorded
         one); on CPU auto stays :func:`~marft_jax.models.decoder.resolve_remat`'s row-length rule
         (``full`` costs no time there)."""
-        key = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves((batch, plan)))
+        key = tuple((x.shape, str(x.dtype)) for x in jax.tree.leaves((batch, packed)))
         if key in self.run_state.checked_updates:
             return
         s, b, n, k = batch.act_tokens.shape
-        rows = "padded" if plan is None else "packed rows " + packing.format_shape(
-            tuple(r.tokens.shape[-2:] for r in plan.rows))
+        rows = "padded" if packed is None else "packed rows " + packing.format_shape(
+            tuple(r.tokens.shape[-2:] for r in packed.rows))
         name = f"ppo_update (steps {s}, rows {b}, agents {n}, actions {k}, {rows})"
         remats = self.run_state.remat_candidates(self.update_cfg.remat, accelerator=jax.default_backend() != "cpu")
         candidates = [dataclasses.replace(self.update_cfg, remat=r) for r in remats]
         available = memory_plan.available_bytes()
         for i, ucfg in enumerate(candidates):
             _, planned = memory_plan.plan_of(ppo_update, self.base, state, batch, jnp.asarray(mask),
-                                             jnp.asarray(train_policy), cfg=self.cfg, ucfg=ucfg, plan=plan)
+                                             jnp.asarray(train_policy), cfg=self.cfg, ucfg=ucfg, packed=packed)
             try:
                 memory_plan.check_fits({f"{name}, remat {ucfg.remat or 'auto'}": planned}, available,
                                        keys_to_lower=memory_plan.UPDATE_KEYS)
@@ -288,8 +289,8 @@ class TeamLearner:
         self.run_state.choose_remat(ucfg.remat)
         self.run_state.checked_updates.add(key)
 
-    def update_plan(self, state: TrainState, traj, policy: packing.ShapePolicy | None = None
-                    ) -> tuple[packing.UpdatePlan | None, dict]:
+    def pack_update(self, state: TrainState, traj, policy: packing.ShapePolicy | None = None
+                    ) -> tuple[packing.PackedUpdate | None, dict]:
         """The packed policy inputs of this iteration's update (None: the padded layout), and
         the valid / computed token counts of its policy forwards. ``policy``: the packed shapes
         (default: the run's, ``run_state.update``)."""
@@ -299,12 +300,12 @@ class TeamLearner:
             valid = int(np.asarray(traj.ctx_valid).sum() + np.asarray(traj.act_valid).sum())
             return None, {"valid_tokens": valid * u.ppo.epochs, "computed_tokens": S * B * N * (L + K) * u.ppo.epochs}
         perms = packing.minibatch_perms(state.rng, B, u.ppo.num_minibatches, u.ppo.epochs)
-        plan, stats = packing.plan_update(np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid),
+        packed, stats = packing.pack_update(np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid),
                                           np.asarray(traj.act_tokens), np.asarray(traj.act_valid), perms,
                                           micro_batches=u.ppo.micro_batches,
                                           policy=self.run_state.update if policy is None else policy,
                                           pad_id=self.tokenizer.pad_id, share=self.share_prefixes)
-        return jax.tree.map(jnp.asarray, plan), stats
+        return jax.tree.map(jnp.asarray, packed), stats
 
     def mesh_context(self):
         """The run's mesh as JAX's context mesh (where :func:`~marft_jax.models.sharding.constrain_rows`
@@ -318,15 +319,15 @@ class TeamLearner:
         compile every program again)."""
         return self.placement.replicate(state)
 
-    def place_update(self, batch, plan):
+    def place_update(self, batch, packed):
         """The update's inputs on the mesh: batch rows (and packed rows) split over the row
         shards, minibatch permutations and gather tables replicated."""
         p = self.placement
         batch = p.tree_rows(batch, layout.BATCH_AXIS)
-        if plan is not None:
-            plan = plan.replace(perms=p.replicate(plan.perms), gather=p.replicate(plan.gather),
-                                rows=p.tree_rows(plan.rows, packing.UPDATE_ROWS_AXIS))
-        return batch, plan
+        if packed is not None:
+            packed = packed.replace(perms=p.replicate(packed.perms), gather=p.replicate(packed.gather),
+                                rows=p.tree_rows(packed.rows, packing.UPDATE_ROWS_AXIS))
+        return batch, packed
 
     def episode_metrics(self, traj) -> dict:
         """Accuracy, per-agent rewards and completion statistics of a trajectory."""

@@ -45,8 +45,6 @@ GIB = 1024 ** 3
 # Config keys that shrink the PPO update program, most effective first (what the error names).
 UPDATE_KEYS = ("ppo.micro_batches (raise it)", "model.remat (set it to full)", "rollout.rows",
                "rollout.max_new_tokens", "rollout.context_window")
-# ... and the sampler's prefill/decode programs (KV cache: rows x context window).
-ROLLOUT_KEYS = ("rollout.rows", "rollout.context_window", "rollout.max_new_tokens")
 
 # cgroup v1 reports "no limit" as a huge page-aligned number (2**63 - 4096 on x86-64).
 _CGROUP_V1_UNLIMITED = 1 << 62

@@ -33,7 +33,7 @@ import numpy as np
 from marft_jax.models import decoder, sharding
 from marft_jax.models import logprobs as lp_lib
 from marft_jax.models.config import ModelConfig
-from marft_jax.models.critic import CriticParams, value_head
+from marft_jax.models.critic import CriticParams
 from marft_jax.models.lora import LoraStack
 from marft_jax.rl import advantages, layout, packing
 from marft_jax.rl.advantages import AdvantageConfig
@@ -146,9 +146,9 @@ def _values_and_backups(base, critic: CriticParams, calls: tuple[packing.PackedR
     feats = layout.unflatten_responses(out[:n_main] if acfg.algo.token_level else out[:n_main, 0], (S, B, N))
     feats = sharding.constrain_rows(feats, axis=1)
     boot = sharding.constrain_rows(layout.unflatten_agents(out[n_main:, 0], N), axis=0)
-    v_boot = jnp.where(x.boot_ctx_valid.any(-1), value_head(critic.head, boot), 0.0).astype(jnp.float32)
+    value, v_boot = advantages.critic_values(critic.head, feats, boot, x.boot_ctx_valid)
     value, dp, placed, adv, ret = advantages.advantages_fn(
-        value_head(critic.head, feats), x.act_valid, x.step_mask, x.score, x.agent_score, x.terminal,
+        value, x.act_valid, x.step_mask, x.score, x.agent_score, x.terminal,
         x.truncated, v_boot, acfg=acfg)
     return _Prepared(feats=feats, value=value, v_boot=v_boot, dp=dp, placed=placed, adv=adv, ret=ret)
 
@@ -274,13 +274,13 @@ def recompute_logprobs(base, lora: LoraStack, traj: Trajectory, *, cfg: ModelCon
     trajectory's ``(act_tokens, act_valid)`` already on the device (uploaded here when None)."""
     S, B, N, L, K = traj.shape
     perms = np.arange(B, dtype=np.int32)[None, None]
-    plan, stats = packing.plan_update(np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid),
+    packed, stats = packing.pack_update(np.asarray(traj.ctx_tokens), np.asarray(traj.ctx_valid),
                                       np.asarray(traj.act_tokens), np.asarray(traj.act_valid), perms,
                                       micro_batches=1, policy=policy, share=share)
     if actions is None:
         actions = _upload(placement, (np.asarray(traj.act_tokens), np.asarray(traj.act_valid)))
-    gather = plan.gather[0, 0]                   # [N, S*B, K]
-    logp, ent = _packed_logprobs(base, lora, _place_rows(placement, jax.tree.map(lambda x: x[0, 0], plan.rows), 1),
+    gather = packed.gather[0, 0]                   # [N, S*B, K]
+    logp, ent = _packed_logprobs(base, lora, _place_rows(placement, jax.tree.map(lambda x: x[0, 0], packed.rows), 1),
                                  _upload(placement, gather),
                                  *actions, temperature, cfg=cfg, chunk=chunk)
     return logp, ent, stats
@@ -318,7 +318,7 @@ def prepare_update_batch(base, lora: LoraStack, critic: CriticParams | None, tra
                          "differ from the policy contexts (a non-chain team graph)")
     shapes = shapes or PrepareShapes()
     from_sampler = acfg.ppo.logp_old == "sampler" and traj.policy_logp is not None
-    # Host: the feature pass's packing plan, then every trajectory array the device reads, uploaded once.
+    # Host: the feature pass's packing, then every trajectory array the device reads, uploaded once.
     stats = {"valid_tokens": 0, "unique_tokens": 0, "computed_tokens": 0}
     if with_critic:
         calls, gather, n_main, stats = feature_inputs(traj, token_level=acfg.algo.token_level,
