@@ -39,6 +39,7 @@ class ModelSection:
     remat: Optional[str] = None         # none | full | dots | dots_no_batch (true/false = full/none); null = auto
     attention: str = "auto"             # auto | xla | cudnn | pallas | splash (marft_jax.models.attention)
     decode_attention: str = "auto"      # auto | xla | native: attention over the KV cache (marft_jax.models.cache_attention)
+    decode_matmul: str = "auto"         # auto | xla | native: decode steps' projections (marft_jax.models.layer_matmul)
 
 
 @dataclass(frozen=True)
@@ -294,6 +295,7 @@ _CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16"),
     "model.attention": ("auto", "xla", "cudnn", "pallas", "splash"),
     "model.decode_attention": ("auto", "xla", "native"),
+    "model.decode_matmul": ("auto", "xla", "native"),
     "task.name": ("arithmetic", "math", "gsm8k", "math500", "aime", "humaneval", "code_jsonl", "generic"),
     "task.code_reward": ("fraction", "binary"),
     "rollout.mode": ("sequential", "parallel"),

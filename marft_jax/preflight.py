@@ -167,20 +167,22 @@ def platform_dtype(cfg, platform: str):
 
 
 def resolve_model(cfg, model, platform: str, devices: int, attention: str | None = None):
-    """``model`` with ``model.attention`` (or ``attention``) and ``model.decode_attention``
-    resolved for ``platform`` as a run there resolves them."""
+    """``model`` with ``model.attention`` (or ``attention``), ``model.decode_attention`` and
+    ``model.decode_matmul`` resolved for ``platform`` as a run there resolves them."""
     from marft_jax.config import ConfigError
     from marft_jax.models import attention as attention_lib
-    from marft_jax.models import cache_attention
+    from marft_jax.models import cache_attention, layer_matmul
 
     dtype = platform_dtype(cfg, platform)
     try:
         impl = attention_lib.resolve(attention or cfg.model.attention, backend=BACKEND[platform], dtype=dtype)
         decode = cache_attention.resolve(cfg.model.decode_attention, backend=BACKEND[platform], dtype=dtype,
                                          devices=devices)
+        matmul = layer_matmul.resolve(cfg.model.decode_matmul, backend=BACKEND[platform], dtype=dtype,
+                                      devices=devices)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return dataclasses.replace(model, attention=impl, decode_attention=decode)
+    return dataclasses.replace(model, attention=impl, decode_attention=decode, decode_matmul=matmul)
 
 
 def build(cfg, model, devices: int, platform: str) -> RunModel:
@@ -694,7 +696,7 @@ def main(args, load_config: Callable) -> int:
     mesh = f"mesh {dict(run.placement.mesh.shape)}"
     print(f"preflight {cfg.preset}: {args.platform} x {args.devices} ({mesh}), model {cfg.model.name} "
           f"({model.num_params() / 1e9:.2f} B parameters, {jax.numpy.dtype(run.dtype).name}) from {source}; "
-          f"attention {model.attention}, decode attention {model.decode_attention}", flush=True)
+          f"attention {model.attention}, decode attention {model.decode_attention}, decode matmul {model.decode_matmul}", flush=True)
     available = memory_plan.available_bytes() if args.platform == "cpu" else None
     outcomes = run_programs(all_programs(run, only=only), args.platform, model.attention,
                             emit=lambda s: print(s, flush=True), available=available)

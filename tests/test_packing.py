@@ -186,7 +186,7 @@ def test_packed_update_equals_padded(level, classes, L):
     assert not np.allclose(np.asarray(jax.tree.leaves(state.lora)[0]), np.asarray(jax.tree.leaves(new_state.lora)[0]))
 
 
-def test_plan_update_rejects_bad_micro_batches():
+def test_pack_update_rejects_bad_micro_batches():
     base, state, batch, _ = _update_setup("action")
     host = jax.tree.map(np.asarray, batch)
     perms = packing.minibatch_perms(state.rng, 4, 1, 1)

@@ -15,7 +15,10 @@ Sections of the JSON:
   jnp and torch float32 matmul rooflines measured right before it (the machine is shared: the
   roofline says how loaded it was).
 * ``per_step``: our (and HF's) decode-step cost at ~800- and ~32-token contexts (batch
-  ``--step-batch``), and ``per_step_ratio_800_over_32`` (target <= 1.5).
+  ``--step-batch``), and ``per_step_ratio_800_over_32`` (target <= 1.5); per context the
+  bandwidth floor ``floor_ms`` (the weights once plus each row's K/V, float32, at the best of
+  two ``jnp.sum`` read-bandwidth measurements around the steps, ``read_bytes_per_s``) and
+  ``ours_over_floor``.
 
 Usage::
 
@@ -40,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marft_jax.bench.machine import torch_matmul_flops
-from marft_jax.models import cache_attention, decoder
+from marft_jax.models import cache_attention, decoder, layer_matmul
 from marft_jax.models.config import ModelConfig
 from marft_jax.sampling.buckets import length_bucket
 from marft_jax.sampling.sampler import Sampler, SamplingConfig
@@ -254,6 +257,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--no-hf", action="store_true", help="skip the PyTorch baseline")
     p.add_argument("--decode-attention", default="auto", choices=["auto", "xla", "native"],
                    help="our attention over the KV cache (model.decode_attention)")
+    p.add_argument("--decode-matmul", default="auto", choices=["auto", "xla", "native"],
+                   help="our decode steps' projections (model.decode_matmul)")
     args = p.parse_args(argv)
 
     cores = os.cpu_count() or 1
@@ -263,7 +268,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     load_start = os.getloadavg()[0]
     cfg, params = load(args.model)
     cfg = dataclasses.replace(cfg, decode_attention=cache_attention.resolve(args.decode_attention, dtype=jnp.float32,
-                                                                           key="--decode-attention"))
+                                                                           key="--decode-attention"),
+                              decode_matmul=layer_matmul.resolve(args.decode_matmul, dtype=jnp.float32,
+                                                                 key="--decode-matmul"))
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     roofline = matmul_roofline_flops()
     hf_model = None
@@ -277,7 +284,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     flops_per_token = cfg.flops_per_token(int(context))
     report: dict[str, Any] = {
         "bench": "sampler", "model": args.model, "backend": jax.default_backend(),
-        "dtype": "float32", "decode_attention": cfg.decode_attention, "cpu_cores": cores, "machine": platform.machine(),
+        "dtype": "float32", "decode_attention": cfg.decode_attention,
+        "decode_matmul": cfg.decode_matmul, "cpu_cores": cores, "machine": platform.machine(),
         "torch_threads": cores if hf_model is not None else None,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "new_tokens": args.new_tokens, "prompt_len_max": args.prompt_len, "repeats": args.repeats,
@@ -310,11 +318,18 @@ def main(argv: Sequence[str] | None = None) -> dict:
     contexts = _ints(args.step_contexts)
     if contexts:
         n = args.step_new_tokens
+        from marft_jax.bench import floor
+        from marft_jax.train.peaks import measured_read_bandwidth
+
+        bandwidth = [measured_read_bandwidth()]
         steps: dict[str, Any] = {"batch": args.step_batch, "new_tokens": n,
                                  "jnp_matmul_roofline_gflops": matmul_roofline_flops(2048, 3) / 1e9}
         for ctx in contexts:
             entry: dict[str, Any] = {"ours_step_ms": 1e3 * decode_step_s(cfg, params, args.step_batch, ctx, n,
                                                                        args.seed, args.repeats)}
+            # a step reads every weight once and each row's K/V of its ctx + t earlier tokens
+            entry["floor_bytes"] = (floor.weight_bytes(cfg, 4)
+                                    + args.step_batch * floor.kv_bytes_per_token(cfg, 4) * (ctx + n / 2))
             if hf_model is not None:
                 hf = HFRunner(hf_model, make_prompts(args.step_batch, ctx, cfg.vocab_size, args.seed, 1.0), n,
                               args.seed)
@@ -323,6 +338,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
                 full = min(hf(new_tokens=n) for _ in range(args.repeats))
                 entry["hf_step_ms"] = 1e3 * max(full - short, 0.0) / (n - 1)
             steps[str(ctx)] = entry
+        bandwidth.append(measured_read_bandwidth())
+        steps["read_bytes_per_s"] = max(bandwidth)
+        for ctx in contexts:
+            entry = steps[str(ctx)]
+            entry["floor_ms"] = 1e3 * entry["floor_bytes"] / steps["read_bytes_per_s"]
+            entry["ours_over_floor"] = entry["ours_step_ms"] / entry["floor_ms"]
         if "32" in steps and "800" in steps:
             steps["per_step_ratio_800_over_32"] = steps["800"]["ours_step_ms"] / steps["32"]["ours_step_ms"]
             report["per_step_ratio_800_over_32"] = steps["per_step_ratio_800_over_32"]

@@ -91,6 +91,8 @@ class ModelConfig:
       bos_token_id / eos_token_ids: from the config (tokenizers may add more stop tokens).
       attention: the attention implementation of segment attention (training, critic and
         prefill forwards; :mod:`marft_jax.models.attention`).
+      decode_matmul: the projections of cached forwards of at most 16 rows (decode steps): ``xla``
+        or ``native`` (:mod:`marft_jax.models.layer_matmul`, one CPU device, float32).
       decode_attention: attention over the KV cache (decode and prefills into a filled cache):
         ``xla`` or ``native`` (:mod:`marft_jax.models.cache_attention`, one CPU device, float32).
     """
@@ -115,6 +117,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     attention: str = "xla"   # resolved model.attention (marft_jax.models.attention), never "auto"
     decode_attention: str = "xla"   # resolved model.decode_attention: xla | native (models.cache_attention)
+    decode_matmul: str = "xla"      # resolved model.decode_matmul: xla | native (models.layer_matmul)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -130,6 +133,8 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})")
         if self.decode_attention not in ("xla", "native"):
             raise ValueError(f"ModelConfig.decode_attention must be 'xla' or 'native' (resolved), got {self.decode_attention!r}")
+        if self.decode_matmul not in ("xla", "native"):
+            raise ValueError(f"ModelConfig.decode_matmul must be 'xla' or 'native' (resolved), got {self.decode_matmul!r}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marft_jax.models import attention as attention_lib
-from marft_jax.models import cache_attention
+from marft_jax.models import cache_attention, layer_matmul
 from marft_jax.models import lora as lora_lib
 from marft_jax.models import sharding
 from marft_jax.models.config import ModelConfig
@@ -186,8 +186,21 @@ def rope(x: jax.Array, positions: jax.Array, theta: float, inv_freq: np.ndarray 
 attention = attention_lib.xla_attention  # the XLA implementation (kept under its old name)
 
 
+class StackedKernel(NamedTuple):
+    """A projection's weights as the whole ``[layer, K, N]`` stack and the layer to read
+    (``model.decode_matmul=native``: :func:`marft_jax.models.layer_matmul.matmul` reads the
+    block in place instead of the scan slicing, and XLA:CPU copying, it)."""
+
+    stack: jax.Array
+    layer: jax.Array
+
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 def _proj(x, p, name, lora_a, lora_b, scale, per_row):
-    y = x @ p[name]["kernel"]
+    w = p[name]["kernel"]
+    y = layer_matmul.matmul(x, w.stack, w.layer) if isinstance(w, StackedKernel) else x @ w
     if "bias" in p[name]:
         y = y + p[name]["bias"]
     if lora_a is not None and name in lora_a:
@@ -362,16 +375,26 @@ def forward(
     # [B, P]: readable slots among the first `read` (all rows share the write cursor)
     ok = cache.valid[:, :read] & (jnp.arange(read) < cache.index)[None] if read else None
 
+    # decode steps (few rows) with model.decode_matmul=native: the projections read their layer
+    # in place from the stacks, which the scan then does not slice
+    stacks = {}
+    layer_params = params["layers"]
+    if cfg.decode_matmul == "native" and b * t <= layer_matmul.MAX_ROWS:
+        stacks = {n: layer_params[n]["kernel"] for n in PROJECTIONS}
+        layer_params = {n: ({k: w for k, w in sub.items() if k != "kernel"} if n in stacks else sub)
+                        for n, sub in layer_params.items()}
+
     def cached_body(x, xs):
         p, la_l, lb_l, layer = xs
         cache_in = CacheRead(cache.k, cache.v, layer, ok)
         x, p = _rows_split(x), _fsdp_gathered(p)
+        p = {**p, **{n: {**p[n], "kernel": StackedKernel(s, layer)} for n, s in stacks.items()}}
         x, (k_new, v_new) = _block(cfg, x, p, la_l, lb_l, scale, per_row, positions, cache_in, mask, seg)
         return x, (k_new.astype(cache.k.dtype), v_new.astype(cache.v.dtype))
 
     cached_body = _remat(cached_body, resolve_remat(remat, t))
     layers = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    x, (k_new, v_new) = jax.lax.scan(cached_body, x, (params["layers"], la, lb, layers))
+    x, (k_new, v_new) = jax.lax.scan(cached_body, x, (layer_params, la, lb, layers))
     hidden = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
     zero = jnp.zeros((), jnp.int32)
     at = (zero, zero, zero, cache.index, zero)                  # k_new: [layer, B, kv_heads, T, D]

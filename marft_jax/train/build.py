@@ -17,7 +17,7 @@ from marft_jax.envs.chat import HFChatTokenizer
 from marft_jax.envs.scoring_pool import ScoringPool
 from marft_jax.envs.task import Task
 from marft_jax.models import attention as attention_lib
-from marft_jax.models import cache_attention
+from marft_jax.models import cache_attention, layer_matmul
 from marft_jax.models import lora, registry, sharding
 from marft_jax.models.placement import Placement
 from marft_jax.rl import advantages, topology
@@ -204,6 +204,7 @@ def build_run(cfg: Config) -> Run:
         raise ConfigError(str(e)) from None
     try:
         decode_impl = cache_attention.resolve(cfg.model.decode_attention, dtype=weights_dtype)
+        matmul_impl = layer_matmul.resolve(cfg.model.decode_matmul, dtype=weights_dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     placements: list[Placement] = []
@@ -223,7 +224,8 @@ def build_run(cfg: Config) -> Run:
     placement = placements[-1] if placements else Placement(
         distributed.build_mesh(cfg.mesh, model.cfg, rows=cfg.rollout.rows), strict=cfg.mesh.strict)
     model = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, attention=impl,
-                                                               decode_attention=decode_impl))
+                                                               decode_attention=decode_impl,
+                                                               decode_matmul=matmul_impl))
     print(distributed.describe_devices(placement.mesh)
           + ("" if plan.initialize else f" ({plan.why})"), flush=True)
     tok = HFChatTokenizer(model.tokenizer, stop_ids=model.stop_token_ids)
