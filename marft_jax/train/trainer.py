@@ -201,43 +201,88 @@ def train(cfg: Config, *, resume: bool = True, stop_after: int | None = None) ->
         run.close()
 
 
+@dataclasses.dataclass
+class _Progress:
+    """Where a run stands: the next iteration, the data stream's position, the environment
+    samples so far and the held-out accuracy before training (None: not evaluated yet)."""
+
+    iteration: int = 0
+    position: int = 0
+    env_samples: int = 0
+    before: float | None = None
+
+
+def _restore(ckpt: CheckpointManager, state: TrainState, learner) -> tuple[TrainState, _Progress, int | None]:
+    """The latest checkpoint's state and progress, and the learner's run state restored from it;
+    ``(state, _Progress(), None)`` when there is none. The last value is the restored step."""
+    if not ckpt.all_steps():
+        return state, _Progress(), None
+    state, extra = ckpt.restore(target_state=state)
+    progress = _Progress(int(extra["iteration"]), int(extra["data_position"]), int(extra["env_samples"]),
+                         extra.get("eval_before"))
+    learner.run_state.restore(extra)      # context bucket, packed shapes, remat choice
+    print(f"resumed from {ckpt.step_path(progress.iteration)} (iteration {progress.iteration})")
+    return state, progress, progress.iteration
+
+
+def _guarded_iteration(learner, state: TrainState, problems, *, it: int, env_samples: int, key,
+                       on_stage) -> tuple[TrainState, dict, object, bool]:
+    """One learner iteration; a non-finite loss or state keeps the state from before it (the
+    update donates ``state``, so a copy is kept). Returns ``(state, metrics, texts, skipped)``;
+    a skipped iteration's metrics hold only its finite numbers."""
+    backup = jax.tree.map(jnp.copy, state)
+    state, m, texts = learner.iteration(state, problems, iteration=it, env_samples=env_samples, key=key,
+                                        on_stage=on_stage)
+    if _finite(m) and not nonfinite_leaves(state):
+        return state, m, texts, False
+    m = {k: v for k, v in m.items() if isinstance(v, (int, float)) and math.isfinite(v)}
+    print(f"iteration {it + 1}: non-finite loss or parameters, update skipped", file=sys.stderr)
+    return backup, m, texts, True
+
+
+def _stop_before(cfg: Config, it: int, start: int, stop_after: int | None, elapsed_s: float,
+                 last_step_s: float) -> str | None:
+    """Why the loop stops before iteration ``it`` (None: it runs): ``done``, ``stop_after`` or
+    ``budget`` (an iteration expected, from the last one, to end past ``train.time_budget_s``)."""
+    if it >= cfg.train.iterations:
+        return "done"
+    if stop_after is not None and it - start >= stop_after:
+        return "stop_after"
+    if cfg.train.time_budget_s and elapsed_s + last_step_s > cfg.train.time_budget_s:
+        return "budget"
+    return None
+
+
 def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int | None) -> dict:
     learner = run.learner
-    state = fresh_state(cfg, run.model.cfg)
+    untrained = fresh_state(cfg, run.model.cfg)
     ckpt = CheckpointManager(run_dir / "checkpoints", keep_last=cfg.train.keep_last, async_save=True)
-    start, position, env_samples, before = 0, 0, 0, None
-    saved_at = None  # the step whose checkpoint holds `state` (not saved again: orbax cannot overwrite in place)
-    untrained = state
-    if resume and ckpt.all_steps():
-        state, extra = ckpt.restore(target_state=state)
-        start, position = int(extra["iteration"]), int(extra["data_position"])
-        saved_at = start
-        env_samples, before = int(extra["env_samples"]), extra.get("eval_before")
-        learner.run_state.restore(extra)      # context bucket, packed shapes, remat choice
-        print(f"resumed from {ckpt.step_path(start)} (iteration {start})")
+    # saved_at: the step whose checkpoint holds `state` (not saved again: orbax cannot overwrite in place)
+    state, progress, saved_at = _restore(ckpt, untrained, learner) if resume else (untrained, _Progress(), None)
+    start = progress.iteration
     state = learner.place_state(state)
     sink_options = {"wandb": {**dataclasses.asdict(cfg.train.wandb), "config": to_dict(cfg)}}
     writer = MetricsWriter(run_dir, cfg.train.loggers, resume_step=start if start else None, enabled=is_primary(),
                            options=sink_options)
-    stream = ProblemStream(run.task, cfg.train.seed, position, rows=learner.rows)
+    stream = ProblemStream(run.task, cfg.train.seed, progress.position, rows=learner.rows)
     eval_problems = list(itertools.islice(run.task.problems("test", 0), cfg.train.eval_problems))
     if not eval_problems:
         raise ValueError(f"task {run.task.name!r} has no test problems for evaluation")
 
-    if before is None and cfg.train.eval_before:
+    if progress.before is None and cfg.train.eval_before:
         # A run resumed past iteration 0 whose first part skipped this evaluation: the untrained
         # team is the initial state (a function of the seed), not the restored one.
         t_eval = time.perf_counter()
         res = _eval_and_save(run, state if start == 0 else learner.place_state(untrained), eval_problems, cfg,
                              run_dir, "before")
-        before = res.mean
-        print(f"accuracy before training: {before:.3f} on {len(eval_problems)} held-out problems "
+        progress.before = res.mean
+        print(f"accuracy before training: {res.mean:.3f} on {len(eval_problems)} held-out problems "
               f"({time.perf_counter() - t_eval:.0f}s)")
     del untrained
     t_start = time.perf_counter()       # the time budget counts training only
     seed_key = jax.random.key(cfg.train.seed + 1)
     bar = _progress(cfg.train.iterations, start)
-    it, skipped, budget_hit, last_step_s = start, 0, False, 0.0
+    it, skipped, stop, last_step_s = start, 0, None, 0.0
     last_metrics: dict = {}
     overflow_noted = False   # the first iteration whose contexts outgrew the window has been reported
     logged = start           # the last iteration whose metrics went to the sinks (train.log_every)
@@ -246,8 +291,9 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
         nonlocal saved_at
         if i == saved_at:
             return
-        extra = {"iteration": i, "data_position": stream.position, "env_samples": env_samples,
-                 "eval_before": before, RUN_STATE_KEY: learner.run_state.to_json(), "metrics": last_metrics}
+        extra = {"iteration": i, "data_position": stream.position, "env_samples": progress.env_samples,
+                 "eval_before": progress.before, RUN_STATE_KEY: learner.run_state.to_json(),
+                 "metrics": last_metrics}
         if ckpt.save(i, state, extra, force=True):
             saved_at = i
         else:
@@ -257,36 +303,25 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
     prof = cfg.train.profile
     profiler = StepProfiler(prof.start, prof.steps, prof.dir or run_dir / "profile")
     with _StopFlag() as flag, contextlib.closing(profiler):
-        while it < cfg.train.iterations:
-            if flag.signal is not None:
-                break
-            if stop_after is not None and it - start >= stop_after:
-                break
-            # Do not start an iteration expected (from the last one) to end past the budget.
-            if cfg.train.time_budget_s and (time.perf_counter() - t_start + last_step_s
-                                            > cfg.train.time_budget_s):
-                print(f"time budget of {cfg.train.time_budget_s:.0f}s reached after {it} iterations")
-                budget_hit = True
+        while flag.signal is None:
+            stop = _stop_before(cfg, it, start, stop_after, time.perf_counter() - t_start, last_step_s)
+            if stop is not None:
                 break
             t_step = time.perf_counter()
-            problems = stream.take(cfg.rollout.rows, cfg.rollout.group_size)
-            backup = jax.tree.map(jnp.copy, state)  # the update donates `state`
             on_stage = None
             if it == start:   # the first iteration compiles every program: show its stages as they end
                 print(f"iteration {it + 1}: first of this run, compiling as it goes ...", flush=True)
                 on_stage = lambda name, s: print(f"  {name}: {s:.1f}s", flush=True)
             profiler.before(it)
-            state, m, texts = learner.iteration(state, problems, iteration=it, env_samples=env_samples,
-                                                key=jax.random.fold_in(seed_key, it), on_stage=on_stage)
-            overflow_noted = overflow_noted or _note_overflow(cfg, texts, it)
+            state, m, texts, was_skipped = _guarded_iteration(
+                learner, state, stream.take(cfg.rollout.rows, cfg.rollout.group_size), it=it,
+                env_samples=progress.env_samples, key=jax.random.fold_in(seed_key, it), on_stage=on_stage)
             profiler.after(it)
-            if not _finite(m) or nonfinite_leaves(state):
+            overflow_noted = overflow_noted or _note_overflow(cfg, texts, it)
+            if was_skipped:
                 skipped += 1
-                state = backup
-                m = {k: v for k, v in m.items() if isinstance(v, (int, float)) and math.isfinite(v)}
                 m["train/nonfinite_skipped"] = skipped
-                print(f"iteration {it + 1}: non-finite loss or parameters, update skipped", file=sys.stderr)
-            env_samples = int(m.get("env_samples", env_samples))
+            progress.env_samples = int(m.get("env_samples", progress.env_samples))
             last_step_s = time.perf_counter() - t_step
             it += 1
             last_metrics = {k: v for k, v in m.items() if isinstance(v, (int, float))}
@@ -299,25 +334,31 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
                 writer.write(it, {"eval/accuracy": res.mean})
             if cfg.train.save_every and it % cfg.train.save_every == 0:   # 0: the final checkpoint only
                 save(it)
+    if stop == "budget":
+        print(f"time budget of {cfg.train.time_budget_s:.0f}s reached after {it} iterations")
     if bar is not None:
         bar.close()
     if last_metrics and logged != it:   # the run stopped between two train.log_every iterations
         writer.write(it, last_metrics)
     save(it)
     ckpt.wait()
-    finished = (it >= cfg.train.iterations or budget_hit) and flag.signal is None
-    summary = {"run_dir": str(run_dir), "iterations": it, "accuracy_before": before,
+    summary = {"run_dir": str(run_dir), "iterations": it, "accuracy_before": progress.before,
                "checkpoint": str(ckpt.step_path(it)), "metrics": str(run_dir / "metrics.jsonl"),
                "interrupted": flag.signal is not None, "nonfinite_skipped": skipped,
                "independent": method_fields(cfg)["independent"]}   # accuracies: the mean over agents
-    if finished:
+    if stop in ("done", "budget") and flag.signal is None:
         res = _eval_and_save(run, state, eval_problems, cfg, run_dir, "after")
         summary["accuracy_after"] = res.mean
         writer.write(it, {"eval/accuracy": res.mean})
     writer.close()
     ckpt.close()
-    if not is_primary():
-        return summary
+    if is_primary():
+        _finish(run_dir, summary)
+    return summary
+
+
+def _finish(run_dir: Path, summary: dict) -> None:
+    """The run's plots (a failure is reported, never raised) and ``summary.json``."""
     try:
         from marft_jax.train.plot import plot_run
 
@@ -326,7 +367,6 @@ def _train(cfg: Config, run: Run, run_dir: Path, resume: bool, stop_after: int |
         summary["plots"] = []
         print(f"plotting failed: {e}", file=sys.stderr)
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    return summary
 
 
 def _note_overflow(cfg: Config, texts, it: int) -> bool:
