@@ -322,19 +322,17 @@ def _get(cfg: Config, dotted: str) -> Any:
     return obj
 
 
-def validate(cfg: Config) -> Config:
-    """Range and choice checks; raises :class:`ConfigError` naming the dotted key. Keys whose
-    values are a registry's names (``lora.targets``, ``team.graph``, ``team.layer_links``,
-    ``train.loggers``, ``train.wandb.mode``, ``algo.advantage``) are checked beside their registries, at build
-    (``marft_jax.train.build.check_names``): this module imports nothing of the package."""
-    for key, choices in _CHOICES.items():
-        if _get(cfg, key) not in choices:
-            raise ConfigError(f"{key}={_get(cfg, key)!r} is not one of {list(choices)}")
+def _need(cfg: Config):
+    """``need(key, ok, what)``: raises :class:`ConfigError` naming ``key``, its value and ``what`` it must be."""
 
     def need(key: str, ok: bool, what: str) -> None:
         if not ok:
             raise ConfigError(f"{key}={_get(cfg, key)!r}: must be {what}")
+    return need
 
+
+def _check_model_team_rollout(cfg: Config, need) -> None:
+    """``model.remat``, ``team.num_agents`` and the ``rollout`` section."""
     if cfg.model.remat is not None:
         need("model.remat", str(cfg.model.remat).lower() in ("true", "false", "auto", "none", "full", "dots",
                                                            "dots_no_batch"),
@@ -356,6 +354,13 @@ def validate(cfg: Config) -> Config:
     need("rollout.top_p", 0 < cfg.rollout.top_p <= 1, "in (0, 1]")
     if cfg.rollout.max_steps is not None:
         need("rollout.max_steps", 1 <= cfg.rollout.max_steps <= cfg.rollout.horizon, "in [1, rollout.horizon]")
+    need("rollout.group_size", cfg.rollout.group_size >= 1, ">= 1")
+    need("rollout.group_size", cfg.rollout.rows % cfg.rollout.group_size == 0,
+         f"a divisor of rollout.rows ({cfg.rollout.rows}): a rollout plays rows / group_size problems")
+
+
+def _check_lora_optim_ppo(cfg: Config, need) -> None:
+    """The ``lora``, ``optim`` and ``ppo`` sections."""
     need("lora.rank", cfg.lora.rank >= 1, ">= 1")
     need("lora.alpha", cfg.lora.alpha > 0, "> 0")
     for key in ("optim.policy_lr", "optim.critic_lr", "optim.eps"):
@@ -382,9 +387,10 @@ def validate(cfg: Config) -> Config:
     need("ppo.micro_batches", (cfg.rollout.rows // cfg.ppo.num_minibatches) % cfg.ppo.micro_batches == 0,
          f"a divisor of the minibatch rows (rollout.rows / ppo.num_minibatches = "
          f"{cfg.rollout.rows // cfg.ppo.num_minibatches})")
-    need("rollout.group_size", cfg.rollout.group_size >= 1, ">= 1")
-    need("rollout.group_size", cfg.rollout.rows % cfg.rollout.group_size == 0,
-         f"a divisor of rollout.rows ({cfg.rollout.rows}): a rollout plays rows / group_size problems")
+
+
+def _check_algo_train(cfg: Config, need) -> None:
+    """The ``algo`` and ``train`` sections."""
     need("algo.reward_scale", cfg.algo.reward_scale > 0, "> 0")
     if cfg.algo.reward_clip is not None:
         need("algo.reward_clip", cfg.algo.reward_clip > 0, "> 0 or null")
@@ -410,6 +416,10 @@ def validate(cfg: Config) -> Config:
     need("train.save_every", cfg.train.save_every >= 0, ">= 0 (0: only the final checkpoint)")
     if cfg.train.time_budget_s is not None:
         need("train.time_budget_s", cfg.train.time_budget_s >= 0, ">= 0 or null (0 or null: no budget)")
+
+
+def _check_task_mesh_dist(cfg: Config, need) -> None:
+    """``team.answer_agent`` and the ``task``, ``mesh`` and ``dist`` sections."""
     if cfg.team.answer_agent is not None:
         need("team.answer_agent", 0 <= cfg.team.answer_agent < cfg.team.num_agents,
              f"in [0, team.num_agents={cfg.team.num_agents})")
@@ -428,6 +438,20 @@ def validate(cfg: Config) -> Config:
                  f"< dist.num_processes ({cfg.dist.num_processes})")
     need("dist.timeout_s", cfg.dist.timeout_s >= 1, ">= 1")
     need("dist.heartbeat_timeout_s", cfg.dist.heartbeat_timeout_s >= 1, ">= 1")
+
+
+def validate(cfg: Config) -> Config:
+    """Range and choice checks; raises :class:`ConfigError` naming the dotted key. Keys whose
+    values are a registry's names (``lora.targets``, ``team.graph``, ``team.layer_links``,
+    ``train.loggers``, ``train.wandb.mode``, ``algo.advantage``) are checked beside their registries, at build
+    (``marft_jax.train.build.check_names``): this module imports nothing of the package."""
+    for key, choices in _CHOICES.items():
+        if _get(cfg, key) not in choices:
+            raise ConfigError(f"{key}={_get(cfg, key)!r} is not one of {list(choices)}")
+
+    need = _need(cfg)
+    for check in (_check_model_team_rollout, _check_lora_optim_ppo, _check_algo_train, _check_task_mesh_dist):
+        check(cfg, need)
     return cfg
 
 
