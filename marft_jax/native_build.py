@@ -1,7 +1,7 @@
 """Build and cache the native CPU kernels (C++ XLA FFI handlers) with the system compiler.
 
-Shared by the backups kernel (:mod:`marft_jax.rl.native`) and the decode-attention kernel
-(:mod:`marft_jax.models.cache_attention`). A library is compiled once per source, flags,
+Shared by the backups kernel (:mod:`marft_jax.rl.native`), the decode-attention kernel
+(:mod:`marft_jax.models.cache_attention`) and the decode projections (:mod:`marft_jax.models.layer_matmul`). A library is compiled once per source, flags,
 jaxlib version, machine and compiler into a per-user cache (``$MARFT_JAX_CACHE``, else
 ``$XDG_CACHE_HOME/marft_jax``, else ``~/.cache/marft_jax``); the build writes a temporary file
 and renames it (atomic), so concurrent processes are safe. Nothing raises at import.
@@ -161,3 +161,40 @@ class Library:
             if self._status is None:
                 self._status = self._load()
             return self._status
+
+
+CHOICES = ("auto", "xla", "native")
+
+
+def resolve_cpu_kernel(requested: str, library: Library, *, key: str, backend: str | None = None, dtype=None,
+                       devices: int | None = None) -> str:
+    """``xla`` or ``native`` for a decode kernel's config key (``requested`` one of :data:`CHOICES`).
+
+    ``auto`` is ``native`` on a single CPU device with float32 parameters (``dtype``; None:
+    float32) when ``library`` builds, else ``xla``. ``native`` where it cannot run raises
+    ``ValueError`` naming ``key`` and why; a value outside :data:`CHOICES` too.
+    """
+    import jax.numpy as jnp
+
+    if requested not in CHOICES:
+        raise ValueError(f"{key}={requested!r} is not one of {list(CHOICES)}")
+    if requested == "xla":
+        return "xla"
+    backend = backend or jax.default_backend()
+    devices = jax.device_count() if devices is None else devices
+    why = None
+    if backend != "cpu":
+        why = f"runs on the CPU only (backend {backend!r})"
+    elif dtype is not None and jnp.dtype(dtype) != jnp.dtype(jnp.float32):
+        why = f"needs float32 parameters (model dtype {jnp.dtype(dtype).name})"
+    elif devices != 1:
+        why = f"runs on one device (this run has {devices}; the call is not partitioned)"
+    else:
+        st = library.status()
+        if not st.available:
+            why = f"kernel unavailable: {st.reason}"
+    if why is None:
+        return "native"
+    if requested == "native":
+        raise ValueError(f"{key}=native {why}; use auto or xla")
+    return "xla"

@@ -31,7 +31,7 @@ SOURCE = Path(__file__).with_name("cache_attention_kernel.cc")
 # -ffast-math: the dot products and expf vectorize (the kernel has no infinities or NaNs of its own)
 FLAGS = native_build.BASE_FLAGS + ("-ffast-math",)
 TARGET, SYMBOL = "marft_cache_attention", "MarftCacheAttention"
-CHOICES = ("auto", "xla", "native")
+CHOICES = native_build.CHOICES
 
 
 _library = native_build.Library(SOURCE, FLAGS, {TARGET: SYMBOL})
@@ -44,34 +44,11 @@ def status() -> native_build.Status:
 
 def resolve(requested: str, *, backend: str | None = None, dtype=None, devices: int | None = None,
             key: str = "model.decode_attention") -> str:
-    """``xla`` or ``native`` for ``requested`` (one of :data:`CHOICES`).
-
-    ``auto`` is ``native`` on a single CPU device in float32 when the kernel builds, else
-    ``xla``. ``native`` where it cannot run raises ``ValueError`` naming ``key`` and why.
-    """
-    if requested not in CHOICES:
-        raise ValueError(f"{key}={requested!r} is not one of {list(CHOICES)}")
-    if requested == "xla":
-        return "xla"
-    backend = backend or jax.default_backend()
-    devices = jax.device_count() if devices is None else devices
-    f32 = dtype is None or jnp.dtype(dtype) == jnp.dtype(jnp.float32)
-    why = None
-    if backend != "cpu":
-        why = f"runs on the CPU only (backend {backend!r})"
-    elif not f32:
-        why = f"needs float32 parameters (model dtype {jnp.dtype(dtype).name})"
-    elif devices != 1:
-        why = f"runs on one device (this run has {devices}; the call is not partitioned)"
-    else:
-        st = status()
-        if not st.available:
-            why = f"kernel unavailable: {st.reason}"
-    if why is None:
-        return "native"
-    if requested == "native":
-        raise ValueError(f"{key}=native {why}; use auto or xla")
-    return "xla"
+    """``xla`` or ``native`` for ``requested`` (one of :data:`CHOICES`): ``auto`` is ``native`` on a
+    single CPU device in float32 when the kernel builds, else ``xla``; ``native`` where it cannot
+    run raises ``ValueError`` naming ``key`` and why (:func:`marft_jax.native_build.resolve_cpu_kernel`)."""
+    return native_build.resolve_cpu_kernel(requested, _library, key=key, backend=backend, dtype=dtype,
+                                           devices=devices)
 
 
 def attend(q: jax.Array, k_new: jax.Array, v_new: jax.Array, new_mask: jax.Array, k_cache: jax.Array,

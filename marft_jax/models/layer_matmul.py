@@ -29,7 +29,7 @@ from marft_jax import native_build
 SOURCE = Path(__file__).with_name("layer_matmul_kernel.cc")
 FLAGS = native_build.BASE_FLAGS
 TARGET, SYMBOL = "marft_layer_matmul", "MarftLayerMatmul"
-CHOICES = ("auto", "xla", "native")
+CHOICES = native_build.CHOICES
 MAX_ROWS = 16        # rows (batch x new tokens) per call the kernel takes (kMaxRows in the source)
 
 _library = native_build.Library(SOURCE, FLAGS, {TARGET: SYMBOL})
@@ -42,33 +42,11 @@ def status() -> native_build.Status:
 
 def resolve(requested: str, *, backend: str | None = None, dtype=None, devices: int | None = None,
             key: str = "model.decode_matmul") -> str:
-    """``xla`` or ``native`` for ``requested`` (one of :data:`CHOICES`).
-
-    ``auto`` is ``native`` on a single CPU device in float32 when the kernel builds, else
-    ``xla``. ``native`` where it cannot run raises ``ValueError`` naming ``key`` and why.
-    """
-    if requested not in CHOICES:
-        raise ValueError(f"{key}={requested!r} is not one of {list(CHOICES)}")
-    if requested == "xla":
-        return "xla"
-    backend = backend or jax.default_backend()
-    devices = jax.device_count() if devices is None else devices
-    why = None
-    if backend != "cpu":
-        why = f"runs on the CPU only (backend {backend!r})"
-    elif dtype is not None and jnp.dtype(dtype) != jnp.dtype(jnp.float32):
-        why = f"needs float32 parameters (model dtype {jnp.dtype(dtype).name})"
-    elif devices != 1:
-        why = f"runs on one device (this run has {devices}; the call is not partitioned)"
-    else:
-        st = status()
-        if not st.available:
-            why = f"kernel unavailable: {st.reason}"
-    if why is None:
-        return "native"
-    if requested == "native":
-        raise ValueError(f"{key}=native {why}; use auto or xla")
-    return "xla"
+    """``xla`` or ``native`` for ``requested`` (one of :data:`CHOICES`): ``auto`` is ``native`` on a
+    single CPU device in float32 when the kernel builds, else ``xla``; ``native`` where it cannot
+    run raises ``ValueError`` naming ``key`` and why (:func:`marft_jax.native_build.resolve_cpu_kernel`)."""
+    return native_build.resolve_cpu_kernel(requested, _library, key=key, backend=backend, dtype=dtype,
+                                           devices=devices)
 
 
 def fits(x: jax.Array) -> bool:
