@@ -7,12 +7,17 @@
 // slots (max, sum of exponentials, exponential-weighted values); the caller folds in the new
 // tokens' own keys (cache_attention.py beside this file).
 //
-// Per (row, kv head), three passes over the P read slots: scores of the G queries (one key
+// The (row, kv head) pairs are split over the caller and XLA's intra-op threads (at contexts of
+// kMinSlotsPerHelper slots and more). Per (row, kv head), three passes over the P read slots: scores of the G queries (one key
 // read serves all G), their max and exponentials, then the weighted sum of the values. Built
 // with -ffast-math so that the dot products and expf vectorize (glibc's libmvec); masked slots
 // score -1e30, whose exponential is 0, so no infinities are involved.
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -64,22 +69,44 @@ inline void Head(const float* q, const float* k, const float* v, const bool* ok,
   }
 }
 
+// One (row, kv head) pair: bh = b * KV + h.
 template <int kD>
-__attribute__((target_clones("avx512f", "avx2", "default"))) void Run(
-    const float* q, const float* kc, const float* vc, const bool* ok, int64_t B, int64_t KV,
+__attribute__((target_clones("avx512f", "avx2", "default"))) void RunHead(
+    int64_t bh, const float* q, const float* kc, const float* vc, const bool* ok, int64_t KV,
     int64_t G, int64_t S, int64_t P, int64_t D, float* m, float* l, float* acc) {
   thread_local std::vector<float> scores;
   if (scores.size() < static_cast<size_t>(G * P)) scores.resize(G * P);
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < KV; ++h) {
-      const int64_t bh = b * KV + h;
-      Head<kD>(q + bh * G * D, kc + bh * S * D, vc + bh * S * D, ok + b * P, P, G, D,
-               scores.data(), m + bh * G, l + bh * G, acc + bh * G * D);
-    }
-  }
+  const int64_t b = bh / KV;
+  Head<kD>(q + bh * G * D, kc + bh * S * D, vc + bh * S * D, ok + b * P, P, G, D,
+           scores.data(), m + bh * G, l + bh * G, acc + bh * G * D);
 }
 
-ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+using HeadFn = void (*)(int64_t, const float*, const float*, const float*, const bool*, int64_t, int64_t,
+                        int64_t, int64_t, int64_t, float*, float*, float*);
+
+// The B * KV (row, kv head) pairs of one call, claimed by the caller and the intra-op pool's
+// threads from an atomic counter (the caller alone can finish them all, so a busy pool never
+// blocks it); the caller then waits for the pairs a helper claimed.
+struct Work {
+  HeadFn head;
+  const float *q, *kc, *vc;
+  const bool* ok;
+  int64_t KV, G, S, P, D, pairs;
+  float *m, *l, *acc;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Drain() {
+    for (int64_t bh; (bh = next.fetch_add(1, std::memory_order_relaxed)) < pairs;) {
+      head(bh, q, kc, vc, ok, KV, G, S, P, D, m, l, acc);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+constexpr int64_t kMinSlotsPerHelper = 256;   // below this a pair is cheaper than waking a thread
+
+ffi::Error CacheAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                               ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> ok,
                               ffi::BufferR0<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> m,
                               ffi::ResultBuffer<ffi::F32> l, ffi::ResultBuffer<ffi::F32> acc) {
@@ -104,13 +131,26 @@ ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
   float* mo = m->typed_data();
   float* lo = l->typed_data();
   float* ao = acc->typed_data();
-  if (D == 64) {
-    Run<64>(q.typed_data(), kl, vl, okp, B, KV, G, S, P, D, mo, lo, ao);
-  } else if (D == 128) {
-    Run<128>(q.typed_data(), kl, vl, okp, B, KV, G, S, P, D, mo, lo, ao);
-  } else {
-    Run<0>(q.typed_data(), kl, vl, okp, B, KV, G, S, P, D, mo, lo, ao);
-  }
+  auto work = std::make_shared<Work>();
+  work->head = D == 64 ? &RunHead<64> : D == 128 ? &RunHead<128> : &RunHead<0>;
+  work->q = q.typed_data();
+  work->kc = kl;
+  work->vc = vl;
+  work->ok = okp;
+  work->KV = KV;
+  work->G = G;
+  work->S = S;
+  work->P = P;
+  work->D = D;
+  work->pairs = B * KV;
+  work->m = mo;
+  work->l = lo;
+  work->acc = ao;
+  const int64_t worth = P >= kMinSlotsPerHelper ? work->pairs - 1 : 0;
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 0), worth);
+  for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  while (work->done.load(std::memory_order_acquire) < work->pairs) std::this_thread::yield();
   return ffi::Error::Success();
 }
 
@@ -118,6 +158,7 @@ ffi::Error CacheAttentionImpl(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(MarftCacheAttention, CacheAttentionImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()     // q [B, KV, G, D], scaled
                                   .Arg<ffi::Buffer<ffi::F32>>()     // k cache [L, B, KV, S, D]
                                   .Arg<ffi::Buffer<ffi::F32>>()     // v cache [L, B, KV, S, D]

@@ -4,15 +4,18 @@
 // Inside the decoder's layer scan XLA:CPU copies each layer's weight slice out of the stack
 // before its dot (a dynamic-slice fusion per weight and layer): at decode's few rows the step is
 // bound by reading the weights, and the copy reads and writes every byte once more. This handler
-// streams the block once. The N columns are cut into tiles; the caller and the intra-op pool's
-// threads claim tiles from an atomic counter (the caller alone can finish them all, so a busy
-// pool never blocks it) and the caller then waits for the tiles a helper claimed. Per tile the
-// accumulators [rows, tile] stay in L1 while four rows of W at a time stream past.
+// streams the block once. The work is cut into (column tile, row chunk) pieces: column tiles
+// whose accumulators [M, tile] stay in L1 while four rows of W at a time stream past, and, when
+// there are fewer tiles than threads (a 576-column projection is one tile), chunks of the K rows
+// whose partial sums are added at the end. The caller and the intra-op pool's threads claim
+// pieces from an atomic counter (the caller alone can finish them all, so a busy pool never
+// blocks it); the caller then waits for the pieces a helper claimed.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <memory>
 #include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -28,9 +31,10 @@ constexpr int64_t TileCols() {
   return (kAccFloats / kM) / 16 * 16;
 }
 
+// y[m, n0:n1] = x[m, :K] @ w[:K, n0:n1] (x rows ldx apart, w and y rows N apart)
 template <int kM>
 __attribute__((target_clones("avx512f", "avx2", "default"))) void Tile(
-    const float* x, int64_t K, const float* w, int64_t N, int64_t n0, int64_t n1, float* y) {
+    const float* x, int64_t ldx, int64_t K, const float* w, int64_t N, int64_t n0, int64_t n1, float* y) {
   constexpr int64_t kCols = TileCols<kM>();
   float acc[kM][kCols];
   const int64_t len = n1 - n0;
@@ -43,7 +47,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void Tile(
     const float* w2 = w1 + N;
     const float* w3 = w2 + N;
     for (int m = 0; m < kM; ++m) {
-      const float* xm = x + m * K + k;
+      const float* xm = x + m * ldx + k;
       const float c0 = xm[0], c1 = xm[1], c2 = xm[2], c3 = xm[3];
       float* a = acc[m];
       for (int64_t j = 0; j < len; ++j) a[j] += c0 * w0[j] + c1 * w1[j] + c2 * w2[j] + c3 * w3[j];
@@ -52,7 +56,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void Tile(
   for (; k < K; ++k) {
     const float* w0 = w + k * N + n0;
     for (int m = 0; m < kM; ++m) {
-      const float c = x[m * K + k];
+      const float c = x[m * ldx + k];
       float* a = acc[m];
       for (int64_t j = 0; j < len; ++j) a[j] += c * w0[j];
     }
@@ -61,7 +65,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void Tile(
     for (int64_t j = 0; j < len; ++j) y[m * N + n0 + j] = acc[m][j];
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*);
+using TileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, int64_t, int64_t, float*);
 
 template <int kM>
 constexpr TileFn TileFor() { return &Tile<kM>; }
@@ -85,19 +89,25 @@ struct Work {
   const float* x;
   const float* w;
   float* y;
-  int64_t K, N, cols, tiles;
+  int64_t M, K, N, cols, tiles, chunk, chunks;
   TileFn tile;
+  std::vector<float> partial;        // [chunks, M, N] when chunks > 1
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
+  int64_t pieces() const { return tiles * chunks; }
+
   void Drain() {
-    for (int64_t t; (t = next.fetch_add(1, std::memory_order_relaxed)) < tiles;) {
-      const int64_t n0 = t * cols;
-      tile(x, K, w, N, n0, std::min(N, n0 + cols), y);
+    for (int64_t p; (p = next.fetch_add(1, std::memory_order_relaxed)) < pieces();) {
+      const int64_t n0 = (p % tiles) * cols, c = p / tiles, k0 = c * chunk;
+      float* out = chunks > 1 ? partial.data() + c * M * N : y;
+      tile(x + k0, K, std::min(K, k0 + chunk) - k0, w + k0 * N, N, n0, std::min(N, n0 + cols), out);
       done.fetch_add(1, std::memory_order_release);
     }
   }
 };
+
+constexpr int64_t kMinChunk = 128;   // rows of W per chunk at least (partial sums cost M x N each)
 
 ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                            ffi::BufferR0<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> y) {
@@ -114,15 +124,30 @@ ffi::Error LayerMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::B
   work->x = x.typed_data();
   work->w = w.typed_data() + static_cast<int64_t>(li) * K * N;
   work->y = y->typed_data();
+  work->M = M;
   work->K = K;
   work->N = N;
   work->cols = kCols[M];
   work->tiles = (N + work->cols - 1) / work->cols;
   work->tile = kTiles[M];
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->tiles - 1);
+  const int64_t threads = std::max<int64_t>(pool.num_threads(), 0) + 1;
+  int64_t chunks = work->tiles >= threads ? 1 : (threads + work->tiles - 1) / work->tiles;
+  chunks = std::max<int64_t>(1, std::min(chunks, K / kMinChunk));
+  work->chunk = ((K + chunks - 1) / chunks + 3) / 4 * 4;
+  work->chunks = (K + work->chunk - 1) / work->chunk;
+  if (work->chunks > 1) work->partial.assign(work->chunks * M * N, 0.f);
+  const int64_t helpers = std::min<int64_t>(threads - 1, work->pieces() - 1);
   for (int64_t h = 0; h < helpers; ++h) pool.Schedule([work] { work->Drain(); });
   work->Drain();
-  while (work->done.load(std::memory_order_acquire) < work->tiles) std::this_thread::yield();
+  while (work->done.load(std::memory_order_acquire) < work->pieces()) std::this_thread::yield();
+  if (work->chunks > 1) {
+    float* out = y->typed_data();
+    const float* part = work->partial.data();
+    const int64_t size = M * N;
+    for (int64_t i = 0; i < size; ++i) out[i] = part[i];
+    for (int64_t c = 1; c < work->chunks; ++c)
+      for (int64_t i = 0; i < size; ++i) out[i] += part[c * size + i];
+  }
   return ffi::Error::Success();
 }
 
