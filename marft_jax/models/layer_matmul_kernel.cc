@@ -46,11 +46,15 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void Tile(
     const float* w1 = w0 + N;
     const float* w2 = w1 + N;
     const float* w3 = w2 + N;
-    for (int m = 0; m < kM; ++m) {
-      const float* xm = x + m * ldx + k;
-      const float c0 = xm[0], c1 = xm[1], c2 = xm[2], c3 = xm[3];
-      float* a = acc[m];
-      for (int64_t j = 0; j < len; ++j) a[j] += c0 * w0[j] + c1 * w1[j] + c2 * w2[j] + c3 * w3[j];
+    float c[kM][4];
+    for (int m = 0; m < kM; ++m)
+      for (int u = 0; u < 4; ++u) c[m][u] = x[m * ldx + k + u];
+    // rows of x innermost: each vector of W is loaded once for all kM rows (a one-call 100 MB
+    // block streams at ~22 GB/s this way, ~16 GB/s with the rows outermost)
+    for (int64_t j = 0; j < len; ++j) {
+      const float a0 = w0[j], a1 = w1[j], a2 = w2[j], a3 = w3[j];
+#pragma GCC unroll 16
+      for (int m = 0; m < kM; ++m) acc[m][j] += c[m][0] * a0 + c[m][1] * a1 + c[m][2] * a2 + c[m][3] * a3;
     }
   }
   for (; k < K; ++k) {
