@@ -29,12 +29,16 @@ PROMPTS = (16, 64, 640)         # prompt buckets of the prefill
 ROW_LENGTHS = (160, 640, 97)    # single-class packed rows (97: an odd length)
 
 
-def config(model_dir: str, devices: int, attention: str = "auto"):
+# the critic-free estimator's run: no critic, its own "backup" program and a critic-free update
+GROUP = ("algo.advantage=group", "rollout.group_size=4")
+
+
+def config(model_dir: str, devices: int, attention: str = "auto", extra: tuple[str, ...] = ()):
     from marft_jax.config import load_config
 
     data, fsdp, tensor = MESHES[devices]
     return load_config(None, [*OVERRIDES, f"model.name={model_dir}", f"model.attention={attention}",
-                              f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}"])
+                              f"mesh.data={data}", f"mesh.fsdp={fsdp}", f"mesh.tensor={tensor}", *extra])
 
 
 def programs(run, lrn, *, auto: bool):
@@ -66,6 +70,19 @@ def programs(run, lrn, *, auto: bool):
                                               label="eval ", prompt_lengths=(64,), phases=True)
 
 
+def group_programs(run, lrn):
+    """The ``group`` estimator's training programs (auto's kernel): the backup and the update
+    without a critic, at the odd 97-slot rows and at a planner-chosen shape."""
+    from marft_jax import preflight
+
+    cfg = run.config
+    traj = preflight.synthetic_trajectory(cfg, "long", vocab=run.model.vocab_size, window=ROW_LENGTHS[-1], steps=1)
+    yield from preflight.training_programs(run, lrn, traj, label=f"group, rows of {ROW_LENGTHS[-1]}",
+                                           shapes=preflight.fixed_shape_policies(lrn, traj, ROW_LENGTHS[-1]))
+    traj = preflight.synthetic_trajectory(cfg, "short", vocab=run.model.vocab_size)
+    yield from preflight.training_programs(run, lrn, traj, label="group, short")
+
+
 def cases(model_dir: str, devices: int, emit=print) -> list[dict]:
     """Lower every case for cuda and tpu on ``devices`` devices; one dict (and JSON line) each."""
     from marft_jax import preflight
@@ -83,17 +100,21 @@ def cases(model_dir: str, devices: int, emit=print) -> list[dict]:
             if model.attention in seen:      # auto's own choice is lowered once
                 continue
             seen.add(model.attention)
-            run = preflight.build(cfg, model, devices, platform)
-            lrn = preflight.learner(run)
-            for o in preflight.run_programs(programs(run, lrn, auto=attention == "auto"), platform,
-                                            model.attention, stop_at_first=False, emit=lambda s: None):
-                case = {"platform": platform, "devices": devices, "attention": model.attention,
-                        "auto": attention == "auto", "program": o.program.name, "shape": o.program.shape,
-                        "ok": o.error is None, "seconds": round(o.seconds, 2),
-                        "error": None if o.error is None else f"{type(o.error).__name__}: "
-                                                              f"{str(o.error).strip()[:400]}"}
-                out.append(case)
-                emit(json.dumps(case))
+            runs = [("gae", cfg, programs)]
+            if attention == "auto":
+                runs.append(("group", config(model_dir, devices, attention, GROUP), lambda r, l, auto: group_programs(r, l)))
+            for estimator, run_cfg, make in runs:
+                run = preflight.build(run_cfg, model, devices, platform)
+                lrn = preflight.learner(run)
+                for o in preflight.run_programs(make(run, lrn, auto=attention == "auto"), platform,
+                                                model.attention, stop_at_first=False, emit=lambda s: None):
+                    case = {"platform": platform, "devices": devices, "attention": model.attention,
+                            "auto": attention == "auto", "estimator": estimator, "program": o.program.name,
+                            "shape": o.program.shape, "ok": o.error is None, "seconds": round(o.seconds, 2),
+                            "error": None if o.error is None else f"{type(o.error).__name__}: "
+                                                                  f"{str(o.error).strip()[:400]}"}
+                    out.append(case)
+                    emit(json.dumps(case))
     return out
 
 

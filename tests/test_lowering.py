@@ -74,3 +74,9 @@ def test_the_cases_cover_a_run(results):
             assert any(c["program"] == "update (concurrent agents)" for c in mine), (platform, kernel)
         auto = {c["program"] for c in cases if c["auto"]}
         assert {"decode", "eval prefill", "eval decode"} <= auto, (devices, auto)
+        for platform in ("cuda", "tpu"):       # the critic-free estimator's run: backup, no feature pass
+            group = [c for c in cases if c["platform"] == platform and c["estimator"] == "group"]
+            programs = {c["program"] for c in group}
+            assert "backup" in programs and "features+backup" not in programs, (devices, platform, programs)
+            assert any(c["program"].startswith("update") and c["shape"].startswith("group, rows of 97")
+                       for c in group), (devices, platform)
