@@ -2,8 +2,9 @@
 stacked KV cache in place.
 
 References: :func:`marft_jax.models.attention.xla_attention` with a prefix (the XLA path), the
-decoder's cached forward with ``decode_attention="xla"``, the sampler's greedy tokens and
-log-probs, HF greedy ``generate``, and the optimized HLO (no per-layer slice of the cache).
+decoder's cached forward with ``decode_attention="xla"``, HF greedy ``generate``, and the
+optimized HLO (no per-layer slice of the cache). The sampler's greedy tokens and log-probs and
+the config key: tests/test_decode_kernels.py.
 """
 
 from __future__ import annotations
@@ -87,19 +88,6 @@ def test_cached_forward_native_equals_xla():
     np.testing.assert_array_equal(np.asarray(outs["native"][1].valid), np.asarray(outs["xla"][1].valid))
 
 
-def test_sampler_greedy_tokens_and_logps_native_equal_xla():
-    from tests import hf_tiny
-    from tests.test_sampler import _prompts
-
-    cfg, params = hf_tiny.to_jax(hf_tiny.tiny_hf_model("qwen2"))
-    prompts = _prompts(cfg.vocab_size)
-    conf = smp.SamplingConfig(max_new_tokens=40, temperature=0.0)
-    outs = [smp.Sampler(c, pad_id=0)(params, prompts, key=jax.random.key(0), config=conf)
-            for c in (cfg, dataclasses.replace(cfg, decode_attention="native"))]
-    np.testing.assert_array_equal(outs[1].tokens, outs[0].tokens)
-    np.testing.assert_allclose(outs[1].logps, outs[0].logps, atol=1e-5)
-
-
 def test_native_decode_hlo_slices_no_cache_layer():
     """The optimized decode program never slices a layer out of the cache stack (the XLA
     path's per-layer dynamic-slice copy) and still writes the stack in place."""
@@ -120,27 +108,3 @@ def test_native_decode_hlo_slices_no_cache_layer():
     stack = "f32[%d,%d,%d,%d,%d]" % st.cache.k.shape
     producers = [line for line in txt.splitlines() if re.match(r"\s*(ROOT )?%\S+ = " + re.escape(stack) + r"\{", line)]
     assert not any(re.search(r"\} copy\(", line) for line in producers)
-
-
-def test_resolve():
-    assert cache_attention.resolve("xla") == "xla"
-    assert cache_attention.resolve("auto", backend="cpu", dtype=jnp.float32, devices=1) == "native"
-    assert cache_attention.resolve("native", backend="cpu", dtype=jnp.float32, devices=1) == "native"
-    assert cache_attention.resolve("auto", backend="cpu", dtype=jnp.bfloat16, devices=1) == "xla"
-    assert cache_attention.resolve("auto", backend="cpu", dtype=jnp.float32, devices=8) == "xla"
-    assert cache_attention.resolve("auto", backend="gpu", dtype=jnp.float32, devices=1) == "xla"
-    with pytest.raises(ValueError, match=r"model.decode_attention=native needs float32"):
-        cache_attention.resolve("native", backend="cpu", dtype=jnp.bfloat16, devices=1)
-    with pytest.raises(ValueError, match=r"model.decode_attention=native runs on one device"):
-        cache_attention.resolve("native", backend="cpu", dtype=jnp.float32, devices=2)
-    with pytest.raises(ValueError, match=r"model.decode_attention='flash' is not one of"):
-        cache_attention.resolve("flash")
-    with pytest.raises(ValueError, match="decode_attention"):
-        _cfg(64, decode_attention="auto")
-
-
-def test_config_key_is_validated():
-    from marft_jax.config import ConfigError, load_config
-
-    with pytest.raises(ConfigError, match="model.decode_attention"):
-        load_config(None, ["model.decode_attention=flash"])

@@ -2,8 +2,9 @@
 layer's weights in place from the stacked parameters.
 
 References: NumPy's ``x @ w[layer]``, the decoder's cached forward with ``decode_matmul="xla"``
-(with biases and per-row LoRA adapters), the sampler's greedy tokens and log-probs, and the
-optimized HLO of a decode step (no per-layer slice of a weight stack).
+(with biases and per-row LoRA adapters), and the optimized HLO of a decode step (no per-layer
+slice of a weight stack). The sampler's greedy tokens and log-probs and the config key:
+tests/test_decode_kernels.py.
 """
 
 from __future__ import annotations
@@ -97,19 +98,6 @@ def test_cached_forward_native_equals_xla(decode_attention):
     np.testing.assert_allclose(np.asarray(outs["native"][1].k), np.asarray(outs["xla"][1].k), atol=1e-5)
 
 
-def test_sampler_greedy_tokens_and_logps_native_equal_xla():
-    from tests import hf_tiny
-    from tests.test_sampler import _prompts
-
-    cfg, params = hf_tiny.to_jax(hf_tiny.tiny_hf_model("qwen2"))
-    prompts = _prompts(cfg.vocab_size)
-    conf = smp.SamplingConfig(max_new_tokens=40, temperature=0.0)
-    outs = [smp.Sampler(c, pad_id=0)(params, prompts, key=jax.random.key(0), config=conf)
-            for c in (cfg, dataclasses.replace(cfg, decode_matmul="native"))]
-    np.testing.assert_array_equal(outs[1].tokens, outs[0].tokens)
-    np.testing.assert_allclose(outs[1].logps, outs[0].logps, atol=1e-5)
-
-
 def test_native_decode_hlo_slices_no_weight_layer():
     """The optimized decode program calls the kernel and never slices a layer out of a weight
     stack (the XLA path's per-layer dynamic-slice copy of every projection)."""
@@ -133,23 +121,3 @@ def test_native_decode_hlo_slices_no_weight_layer():
     assert sliced and "marft_layer_matmul" not in txt          # the XLA path copies layers out
     txt, sliced = weight_slices(dataclasses.replace(cfg, decode_matmul="native"))
     assert "marft_layer_matmul" in txt and not sliced
-
-
-def test_resolve_and_config():
-    from marft_jax.config import ConfigError, load_config
-
-    assert layer_matmul.resolve("xla") == "xla"
-    assert layer_matmul.resolve("auto", backend="cpu", dtype=jnp.float32, devices=1) == "native"
-    assert layer_matmul.resolve("auto", backend="cpu", dtype=jnp.bfloat16, devices=1) == "xla"
-    assert layer_matmul.resolve("auto", backend="cpu", dtype=jnp.float32, devices=8) == "xla"
-    assert layer_matmul.resolve("auto", backend="gpu", dtype=jnp.float32, devices=1) == "xla"
-    with pytest.raises(ValueError, match=r"model.decode_matmul=native needs float32"):
-        layer_matmul.resolve("native", backend="cpu", dtype=jnp.bfloat16, devices=1)
-    with pytest.raises(ValueError, match=r"model.decode_matmul=native runs on one device"):
-        layer_matmul.resolve("native", backend="cpu", dtype=jnp.float32, devices=2)
-    with pytest.raises(ValueError, match=r"model.decode_matmul='gemv' is not one of"):
-        layer_matmul.resolve("gemv")
-    with pytest.raises(ValueError, match="decode_matmul"):
-        _cfg(decode_matmul="auto")
-    with pytest.raises(ConfigError, match="model.decode_matmul"):
-        load_config(None, ["model.decode_matmul=gemv"])
