@@ -40,6 +40,7 @@ class ModelSection:
     attention: str = "auto"             # auto | xla | cudnn | pallas | splash (marft_jax.models.attention)
     decode_attention: str = "auto"      # auto | xla | native: attention over the KV cache (marft_jax.models.cache_attention)
     decode_matmul: str = "auto"         # auto | xla | native: decode steps' projections (marft_jax.models.layer_matmul)
+    decode_weights: str = "auto"        # auto | dequantized | native: decode steps read a GGUF file's blocks (marft_jax.models.quant_matmul)
 
 
 @dataclass(frozen=True)
@@ -296,6 +297,7 @@ _CHOICES = {
     "model.attention": ("auto", "xla", "cudnn", "pallas", "splash"),
     "model.decode_attention": ("auto", "xla", "native"),
     "model.decode_matmul": ("auto", "xla", "native"),
+    "model.decode_weights": ("auto", "dequantized", "native"),
     "task.name": ("arithmetic", "math", "gsm8k", "math500", "aime", "humaneval", "code_jsonl", "generic"),
     "task.code_reward": ("fraction", "binary"),
     "rollout.mode": ("sequential", "parallel"),

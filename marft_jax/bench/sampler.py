@@ -16,9 +16,11 @@ Sections of the JSON:
   roofline says how loaded it was).
 * ``per_step``: our (and HF's) decode-step cost at ~800- and ~32-token contexts (batch
   ``--step-batch``), and ``per_step_ratio_800_over_32`` (target <= 1.5); per context the
-  bandwidth floor ``floor_ms`` (the weights once plus each row's K/V, float32, at the best of
-  two ``jnp.sum`` read-bandwidth measurements around the steps, ``read_bytes_per_s``) and
-  ``ours_over_floor``.
+  floor ``floor_ms``, the larger of ``bandwidth_floor_ms`` (the weights once, as the step reads
+  them: float32, or the GGUF blocks with ``--decode-weights native``, plus each row's float32
+  K/V, at the best of two ``jnp.sum`` read-bandwidth measurements around the steps,
+  ``read_bytes_per_s``) and ``compute_floor_ms`` (the rows' ``flops_per_token`` at the matmul
+  roofline), and ``ours_over_floor``.
 
 Usage::
 
@@ -43,10 +45,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from marft_jax.bench.machine import torch_matmul_flops
-from marft_jax.models import cache_attention, decoder, layer_matmul
+from marft_jax.models import cache_attention, decoder, layer_matmul, quant_matmul
 from marft_jax.models.config import ModelConfig
 from marft_jax.sampling.buckets import length_bucket
-from marft_jax.sampling.sampler import Sampler, SamplingConfig
+from marft_jax.sampling.sampler import Sampler, SamplingConfig, decode_weight_bytes
 
 # SmolLM2-135M's shape (random weights are fine for a speed measurement).
 SMOLLM2_135M_SHAPE = dict(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
@@ -61,13 +63,14 @@ def tiny_model(seed: int = 0) -> tuple[ModelConfig, dict]:
     return cfg, decoder.init_params(jax.random.key(seed), cfg)
 
 
-def load(name: str) -> tuple[ModelConfig, dict]:
+def load(name: str) -> tuple[ModelConfig, dict, dict | None]:
+    """``(config, float32 params, the GGUF blocks or None)`` of ``name``."""
     if name == "tiny":
-        return tiny_model()
+        return (*tiny_model(), None)
     from marft_jax.models.registry import load_model
 
     m = load_model(name, dtype=jnp.float32)
-    return m.cfg, m.params
+    return m.cfg, m.params, m.quantized
 
 
 def hf_model_from_params(cfg: ModelConfig, params: dict):
@@ -158,10 +161,10 @@ def decode_step_s(cfg, params, batch: int, prompt_len: int, new_tokens: int, see
 class OursRunner:
     """Our sampler on fixed prompts; EOS disabled (empty stop set) so every row runs to the budget."""
 
-    def __init__(self, cfg, params, prompts, new_tokens: int, seed: int):
+    def __init__(self, cfg, params, prompts, new_tokens: int, seed: int, quantized: dict | None = None):
         self.cfg, self.params, self.prompts = cfg, params, prompts
         self.new_tokens, self.seed = new_tokens, seed
-        self.sampler = Sampler(cfg, pad_id=0, stop_ids=())
+        self.sampler = Sampler(cfg, pad_id=0, stop_ids=(), quantized=quantized)
         self.config = SamplingConfig(max_new_tokens=new_tokens, temperature=1.0, top_k=0, top_p=1.0)
         self.calls = 0
 
@@ -209,10 +212,10 @@ class HFRunner:
 
 
 def _compare(cfg, params, hf_model, prompts, new_tokens: int, seed: int, repeats: int,
-             flops_per_token: float, roofline: float) -> dict[str, Any]:
+             flops_per_token: float, roofline: float, quantized: dict | None = None) -> dict[str, Any]:
     """One point: ours vs HF generate on the same prompts, interleaved runs, best of each."""
     bs = len(prompts)
-    ours = OursRunner(cfg, params, prompts, new_tokens, seed)
+    ours = OursRunner(cfg, params, prompts, new_tokens, seed, quantized)
     first = ours()                                                         # compile + run
     hf = HFRunner(hf_model, prompts, new_tokens, seed) if hf_model is not None else None
     if hf is not None:
@@ -259,6 +262,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    help="our attention over the KV cache (model.decode_attention)")
     p.add_argument("--decode-matmul", default="auto", choices=["auto", "xla", "native"],
                    help="our decode steps' projections (model.decode_matmul)")
+    p.add_argument("--decode-weights", default="auto", choices=["auto", "dequantized", "native"],
+                   help="our decode steps read a GGUF file's blocks (model.decode_weights)")
     args = p.parse_args(argv)
 
     cores = os.cpu_count() or 1
@@ -266,11 +271,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     # jobs): passive waiting keeps the PyTorch baseline fair. Only effective before torch loads.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     load_start = os.getloadavg()[0]
-    cfg, params = load(args.model)
+    cfg, params, quantized = load(args.model)
     cfg = dataclasses.replace(cfg, decode_attention=cache_attention.resolve(args.decode_attention, dtype=jnp.float32,
                                                                            key="--decode-attention"),
                               decode_matmul=layer_matmul.resolve(args.decode_matmul, dtype=jnp.float32,
-                                                                 key="--decode-matmul"))
+                                                                 key="--decode-matmul"),
+                              decode_weights=quant_matmul.resolve(args.decode_weights, quantized=quantized is not None,
+                                                                  dtype=jnp.float32, key="--decode-weights"))
+    quantized = quantized if cfg.decode_weights == "native" else None
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     roofline = matmul_roofline_flops()
     hf_model = None
@@ -285,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     report: dict[str, Any] = {
         "bench": "sampler", "model": args.model, "backend": jax.default_backend(),
         "dtype": "float32", "decode_attention": cfg.decode_attention,
-        "decode_matmul": cfg.decode_matmul, "cpu_cores": cores, "machine": platform.machine(),
+        "decode_matmul": cfg.decode_matmul, "decode_weights": cfg.decode_weights, "cpu_cores": cores, "machine": platform.machine(),
         "torch_threads": cores if hf_model is not None else None,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "new_tokens": args.new_tokens, "prompt_len_max": args.prompt_len, "repeats": args.repeats,
@@ -299,7 +307,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     for bs in _ints(args.batch_sizes):
         prompts = make_prompts(bs, args.prompt_len, cfg.vocab_size, args.seed + bs)
         report["per_batch"][str(bs)] = _compare(cfg, params, hf_model, prompts, args.new_tokens, args.seed,
-                                                args.repeats, flops_per_token, roofline)
+                                                args.repeats, flops_per_token, roofline, quantized)
 
     report["per_prompt_len"] = {}
     for plen in _ints(args.prompt_lens):
@@ -309,7 +317,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
             jnp_roof = matmul_roofline_flops(2048, 3)
             torch_roof = torch_matmul_flops(2048, 3) if hf_model is not None else None
             prompts = make_prompts(bs, plen, cfg.vocab_size, args.seed + 1000 * plen + bs, min_frac=0.8)
-            row = _compare(cfg, params, hf_model, prompts, args.new_tokens, args.seed, args.repeats, fpt, jnp_roof)
+            row = _compare(cfg, params, hf_model, prompts, args.new_tokens, args.seed, args.repeats, fpt, jnp_roof,
+                           quantized)
             row.update({"prompt_lens_min_max": [min(map(len, prompts)), max(map(len, prompts))],
                         "jnp_matmul_roofline_gflops": jnp_roof / 1e9,
                         "torch_matmul_roofline_gflops": None if torch_roof is None else torch_roof / 1e9})
@@ -324,12 +333,17 @@ def main(argv: Sequence[str] | None = None) -> dict:
         bandwidth = [measured_read_bandwidth()]
         steps: dict[str, Any] = {"batch": args.step_batch, "new_tokens": n,
                                  "jnp_matmul_roofline_gflops": matmul_roofline_flops(2048, 3) / 1e9}
+        step_params = {**params, decoder.QUANTIZED: quantized} if quantized else params
+        # the weights a step reads: the GGUF blocks where the kernel reads them, else float32
+        weights = decode_weight_bytes(step_params, None, cfg) if quantized else floor.weight_bytes(cfg, 4)
+        roof = steps["jnp_matmul_roofline_gflops"] * 1e9
         for ctx in contexts:
-            entry: dict[str, Any] = {"ours_step_ms": 1e3 * decode_step_s(cfg, params, args.step_batch, ctx, n,
+            entry: dict[str, Any] = {"ours_step_ms": 1e3 * decode_step_s(cfg, step_params, args.step_batch, ctx, n,
                                                                        args.seed, args.repeats)}
-            # a step reads every weight once and each row's K/V of its ctx + t earlier tokens
-            entry["floor_bytes"] = (floor.weight_bytes(cfg, 4)
-                                    + args.step_batch * floor.kv_bytes_per_token(cfg, 4) * (ctx + n / 2))
+            # a step reads every weight once and each row's K/V of its ctx + t earlier tokens, and
+            # computes each row's flops_per_token (at the matmul roofline, compute_floor_ms)
+            entry["floor_bytes"] = weights + args.step_batch * floor.kv_bytes_per_token(cfg, 4) * (ctx + n / 2)
+            entry["compute_floor_ms"] = 1e3 * args.step_batch * cfg.flops_per_token(int(ctx + n / 2)) / roof
             if hf_model is not None:
                 hf = HFRunner(hf_model, make_prompts(args.step_batch, ctx, cfg.vocab_size, args.seed, 1.0), n,
                               args.seed)
@@ -342,7 +356,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         steps["read_bytes_per_s"] = max(bandwidth)
         for ctx in contexts:
             entry = steps[str(ctx)]
-            entry["floor_ms"] = 1e3 * entry["floor_bytes"] / steps["read_bytes_per_s"]
+            entry["bandwidth_floor_ms"] = 1e3 * entry["floor_bytes"] / steps["read_bytes_per_s"]
+            entry["floor_ms"] = max(entry["bandwidth_floor_ms"], entry["compute_floor_ms"])
             entry["ours_over_floor"] = entry["ours_step_ms"] / entry["floor_ms"]
         if "32" in steps and "800" in steps:
             steps["per_step_ratio_800_over_32"] = steps["800"]["ours_step_ms"] / steps["32"]["ours_step_ms"]

@@ -95,6 +95,10 @@ class ModelConfig:
         or ``native`` (:mod:`marft_jax.models.layer_matmul`, one CPU device, float32).
       decode_attention: attention over the KV cache (decode and prefills into a filled cache):
         ``xla`` or ``native`` (:mod:`marft_jax.models.cache_attention`, one CPU device, float32).
+      decode_weights: where cached forwards of at most 64 rows and their LM head read the
+        weights a GGUF file quantized: ``dequantized`` (the float parameters) or ``native``
+        (its Q4_0 / Q4_1 / Q8_0 blocks, :mod:`marft_jax.models.quant_matmul`, one CPU device,
+        float32; the blocks come in the params under ``quantized``, which the sampler adds).
     """
 
     arch: str
@@ -118,6 +122,7 @@ class ModelConfig:
     attention: str = "xla"   # resolved model.attention (marft_jax.models.attention), never "auto"
     decode_attention: str = "xla"   # resolved model.decode_attention: xla | native (models.cache_attention)
     decode_matmul: str = "xla"      # resolved model.decode_matmul: xla | native (models.layer_matmul)
+    decode_weights: str = "dequantized"   # resolved model.decode_weights: dequantized | native (models.quant_matmul)
 
     def __post_init__(self) -> None:
         if self.arch not in SUPPORTED_ARCHS:
@@ -135,6 +140,9 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.decode_attention must be 'xla' or 'native' (resolved), got {self.decode_attention!r}")
         if self.decode_matmul not in ("xla", "native"):
             raise ValueError(f"ModelConfig.decode_matmul must be 'xla' or 'native' (resolved), got {self.decode_matmul!r}")
+        if self.decode_weights not in ("dequantized", "native"):
+            raise ValueError(f"ModelConfig.decode_weights must be 'dequantized' or 'native' (resolved), "
+                             f"got {self.decode_weights!r}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 

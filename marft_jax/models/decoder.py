@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marft_jax.models import attention as attention_lib
-from marft_jax.models import cache_attention, layer_matmul
+from marft_jax.models import cache_attention, layer_matmul, quant_matmul
 from marft_jax.models import lora as lora_lib
 from marft_jax.models import sharding
 from marft_jax.models.config import ModelConfig
@@ -195,12 +195,29 @@ class StackedKernel(NamedTuple):
     layer: jax.Array
 
 
+class QuantKernel(NamedTuple):
+    """A projection's weights as a GGUF checkpoint's blocks, ``[layer, N, K/32 * block bytes]``
+    uint8, and the layer to read (``model.decode_weights=native``:
+    :func:`marft_jax.models.quant_matmul.matmul` dequantizes them in registers)."""
+
+    blocks: jax.Array
+    layer: jax.Array
+
+
+QUANTIZED = "quantized"   # params key of the blocks (gguf_loader.quantized_blocks), set by the sampler
+
+
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def _proj(x, p, name, lora_a, lora_b, scale, per_row):
     w = p[name]["kernel"]
-    y = layer_matmul.matmul(x, w.stack, w.layer) if isinstance(w, StackedKernel) else x @ w
+    if isinstance(w, QuantKernel):
+        y = quant_matmul.matmul(x, w.blocks, w.layer)
+    elif isinstance(w, StackedKernel):
+        y = layer_matmul.matmul(x, w.stack, w.layer)
+    else:
+        y = x @ w
     if "bias" in p[name]:
         y = y + p[name]["bias"]
     if lora_a is not None and name in lora_a:
@@ -277,6 +294,18 @@ def _rows_split(x: jax.Array) -> jax.Array:
     as on one device, an all-reduce per matmul); with it each device keeps its rows and the layer's
     weights are all-gathered (ZeRO-3 / FSDP). A no-op without a context mesh."""
     return sharding.constrain_rows(x)
+
+
+def _decode_kernels(params: Params, cfg: ModelConfig, rows: int) -> dict[str, tuple[type, jax.Array]]:
+    """Projection -> (:class:`QuantKernel` or :class:`StackedKernel`, its whole stack) for a cached
+    forward of ``rows`` rows (batch x new tokens); empty when neither native kernel applies."""
+    out: dict[str, tuple[type, jax.Array]] = {}
+    quantized = params.get(QUANTIZED, {}).get("layers", {})
+    if cfg.decode_weights == "native" and rows <= quant_matmul.MAX_ROWS:
+        out.update({n: (QuantKernel, quantized[n]) for n in PROJECTIONS if n in quantized})
+    if cfg.decode_matmul == "native" and rows <= layer_matmul.MAX_ROWS:
+        out.update({n: (StackedKernel, params["layers"][n]["kernel"]) for n in PROJECTIONS if n not in out})
+    return out
 
 
 def forward(
@@ -375,20 +404,20 @@ def forward(
     # [B, P]: readable slots among the first `read` (all rows share the write cursor)
     ok = cache.valid[:, :read] & (jnp.arange(read) < cache.index)[None] if read else None
 
-    # decode steps (few rows) with model.decode_matmul=native: the projections read their layer
-    # in place from the stacks, which the scan then does not slice
-    stacks = {}
+    # decode steps (few rows): with model.decode_weights=native the projections a GGUF file
+    # quantized read its blocks, with model.decode_matmul=native the others read their layer in
+    # place from the stacks; the scan then slices neither
+    kernels = _decode_kernels(params, cfg, b * t)
     layer_params = params["layers"]
-    if cfg.decode_matmul == "native" and b * t <= layer_matmul.MAX_ROWS:
-        stacks = {n: layer_params[n]["kernel"] for n in PROJECTIONS}
-        layer_params = {n: ({k: w for k, w in sub.items() if k != "kernel"} if n in stacks else sub)
+    if kernels:
+        layer_params = {n: ({k: w for k, w in sub.items() if k != "kernel"} if n in kernels else sub)
                         for n, sub in layer_params.items()}
 
     def cached_body(x, xs):
         p, la_l, lb_l, layer = xs
         cache_in = CacheRead(cache.k, cache.v, layer, ok)
         x, p = _rows_split(x), _fsdp_gathered(p)
-        p = {**p, **{n: {**p[n], "kernel": StackedKernel(s, layer)} for n, s in stacks.items()}}
+        p = {**p, **{n: {**p[n], "kernel": kind(w, layer)} for n, (kind, w) in kernels.items()}}
         x, (k_new, v_new) = _block(cfg, x, p, la_l, lb_l, scale, per_row, positions, cache_in, mask, seg)
         return x, (k_new.astype(cache.k.dtype), v_new.astype(cache.v.dtype))
 
@@ -468,6 +497,9 @@ def lm_head(params: Params, cfg: ModelConfig) -> jax.Array:
 
 def logits_from_hidden(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """``[..., H] -> [..., vocab]`` float32 logits (accumulated in float32)."""
+    head = params.get(QUANTIZED, {}).get("lm_head")
+    if cfg.decode_weights == "native" and head is not None and quant_matmul.fits(hidden):
+        return quant_matmul.matmul(hidden, head[None], 0)
     w = lm_head(params, cfg)
     return jnp.einsum("...h,hv->...v", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
 

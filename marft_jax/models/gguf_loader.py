@@ -11,6 +11,8 @@ under llama.cpp's names. This module reads it with the ``gguf`` package, without
   :func:`marft_jax.models.weights.params_from_state_dict`; a ``rope_freqs`` tensor (how
   llama.cpp stores Llama 3.x ``llama3`` rope scaling: one divisor per frequency) becomes the
   config's :class:`~marft_jax.models.config.RopeScaling` ``freq_factors``;
+* :func:`quantized_blocks` keeps the Q4_0 / Q4_1 / Q8_0 blocks as the file holds them (uint8
+  rows of blocks) for the decode steps' native matvec (:mod:`marft_jax.models.quant_matmul`);
 * :func:`gguf_tokenizer` builds a ``transformers`` fast tokenizer from the vocabulary, merges,
   special ids and chat template stored in the file.
 
@@ -261,6 +263,55 @@ def load_gguf_checkpoint(source: ReaderLike, dtype=np.float32) -> tuple[ModelCon
 
     params = params_from_state_dict(cfg, get, names=list(by_hf), source=name, dtype=dtype)
     return cfg, params
+
+
+QUANT_TYPES = ("Q4_0", "Q4_1", "Q8_0")       # what the native decode matvec reads
+# decoder projection name -> llama.cpp tensor key in a block
+_PROJECTION_TENSORS = {"q_proj": "attn_q.weight", "k_proj": "attn_k.weight", "v_proj": "attn_v.weight",
+                       "o_proj": "attn_output.weight", "gate_proj": "ffn_gate.weight",
+                       "up_proj": "ffn_up.weight", "down_proj": "ffn_down.weight"}
+
+
+def _block_rows(tensor) -> np.ndarray:
+    """A quantized ``[out, in]`` weight's raw blocks, ``[out, in/32 * block bytes]`` uint8."""
+    rows = int(tensor.shape[1]) if len(tensor.shape) == 2 else 1
+    return np.asarray(tensor.data, np.uint8).reshape(rows, -1)
+
+
+def quantized_blocks(source: ReaderLike, cfg: ModelConfig | None = None) -> dict[str, Any] | None:
+    """The file's Q4_0 / Q4_1 / Q8_0 weights as raw blocks, for :mod:`marft_jax.models.quant_matmul`.
+
+    Returns ``{"layers": {projection: [L, N, K/32 * block bytes] uint8}, "lm_head": [vocab,
+    H/32 * block bytes] uint8}`` (numpy), each weight row's blocks in a row as the file holds
+    them; a projection is present when every layer stores it in one of :data:`QUANT_TYPES`, the
+    LM head when ``output.weight`` (or, tied, ``token_embd.weight``) is. ``llama`` q/k rows are
+    un-permuted to HF order, as :func:`load_gguf_checkpoint` does. None when nothing qualifies.
+    """
+    reader = _reader(source)
+    cfg = cfg or gguf_model_config(reader)
+    tensors = {t.name: t for t in reader.tensors}
+
+    def quantized(name: str) -> bool:
+        t = tensors.get(name)
+        return t is not None and t.tensor_type.name in QUANT_TYPES and len(t.shape) == 2
+
+    layers = {}
+    for proj, key in _PROJECTION_TENSORS.items():
+        names = [f"blk.{i}.{key}" for i in range(cfg.num_layers)]
+        if not all(quantized(n) for n in names) or len({tensors[n].tensor_type for n in names}) != 1:
+            continue
+        stack = []
+        for n in names:
+            rows = _block_rows(tensors[n])
+            if cfg.arch == "llama" and proj in ("q_proj", "k_proj"):
+                rows = unpermute_rope_rows(rows, cfg.num_heads if proj == "q_proj" else cfg.num_kv_heads)
+            stack.append(rows)
+        layers[proj] = np.stack(stack)
+    out: dict[str, Any] = {"layers": layers} if layers else {}
+    head = "token_embd.weight" if cfg.tie_word_embeddings else "output.weight"
+    if quantized(head):
+        out["lm_head"] = _block_rows(tensors[head])
+    return out or None
 
 
 def gguf_tokenizer(source: ReaderLike):

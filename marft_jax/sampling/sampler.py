@@ -540,6 +540,23 @@ def device_bytes(x) -> int:
     return int(math.prod(sh.shard_shape(x.shape)) * np.dtype(x.dtype).itemsize * len(sh.device_set))
 
 
+def decode_weight_bytes(params: Params, lora, cfg: ModelConfig) -> int:
+    """Bytes of weights one decode step reads (:func:`device_bytes`): the LoRA stack and the
+    base, where a projection or LM head that reads GGUF blocks (``cfg.decode_weights ==
+    "native"``, :data:`decoder.QUANTIZED` in ``params``) counts its blocks instead of its float
+    weights. The embedding's gather is counted whole unless the tied LM head reads blocks."""
+    quantized = params.get(decoder.QUANTIZED) if cfg.decode_weights == "native" else None
+    if not quantized:
+        return sum(device_bytes(x) for x in jax.tree.leaves((params, lora)))
+    layers = quantized.get("layers", {})
+    base = {k: v for k, v in params.items() if k != decoder.QUANTIZED}
+    base["layers"] = {n: ({k: w for k, w in sub.items() if k != "kernel"} if n in layers else sub)
+                      for n, sub in base["layers"].items()}
+    if "lm_head" in quantized:
+        base.pop("lm_head" if "lm_head" in base else "embed")
+    return sum(device_bytes(x) for x in jax.tree.leaves((base, quantized, lora)))
+
+
 @dataclasses.dataclass
 class SamplerTotals:
     """Work and time of the sampler calls since the last :meth:`Sampler.take_totals` (host
@@ -598,8 +615,14 @@ class Sampler:
     def __init__(self, cfg: ModelConfig, *, pad_id: int = 0, stop_ids: Sequence[int] = (),
                  min_prompt_bucket: int = 16, max_prompt_len: int | None = None,
                  min_batch: int = 1, max_batch: int | None = None,
-                 fine_above: int | None = 256, min_compact_batch: int = 8):
+                 fine_above: int | None = 256, min_compact_batch: int = 8, quantized: dict | None = None):
+        if cfg.decode_weights == "native" and not quantized:
+            raise ValueError("Sampler: cfg.decode_weights is 'native' but no quantized blocks were given "
+                             "(gguf_loader.quantized_blocks)")
         self.cfg = cfg
+        # GGUF blocks for the decode steps' native matvec (model.decode_weights=native), on device
+        self.quantized = (jax.tree.map(jnp.asarray, quantized)
+                          if quantized and cfg.decode_weights == "native" else None)
         self.pad_id = int(pad_id)
         self.stop_ids = tuple(int(i) for i in stop_ids)
         self.min_prompt_bucket = min_prompt_bucket
@@ -621,6 +644,13 @@ class Sampler:
         self.placement = placement
         self.min_batch = max(self.min_batch, placement.row_shards)
         self.min_compact_batch = max(self.min_compact_batch, placement.row_shards)
+
+    def with_quantized(self, params: Params) -> Params:
+        """``params`` with the GGUF blocks under :data:`decoder.QUANTIZED` when the decode steps
+        read them (``cfg.decode_weights == "native"``), else ``params``."""
+        if self.quantized is None:
+            return params
+        return {**params, decoder.QUANTIZED: self.quantized}
 
     def _mesh_context(self):
         """The placement's mesh as JAX's context mesh (where :func:`resize` keeps rows split)."""
@@ -701,6 +731,7 @@ class Sampler:
         """
         call = self.prefill_call(prompts, key=key, config=config, lora=lora, agent=agent, stop_ids=stop_ids,
                                  budget=budget, policy_temperature=policy_temperature)
+        params = self.with_quantized(params)
         batch, phases, limit = call.batch, call.phases, call.limit
         n, (b, length) = batch.num_real, batch.tokens.shape
         top_k_max, use_top_p = call.static["top_k_max"], call.static["use_top_p"]
@@ -711,7 +742,7 @@ class Sampler:
             state = prefill(params, lora, *call.args, **call.kwargs)
             jax.block_until_ready(state.last)
         t1 = time.perf_counter()
-        weight_bytes = sum(device_bytes(x) for x in jax.tree.leaves((params, lora)))
+        weight_bytes = decode_weight_bytes(params, lora, self.cfg)
         with jax.profiler.TraceAnnotation("sampler/decode"), self._mesh_context():
             state = self._decode_phases(params, lora, state, length, phases, limit, top_k_max, use_top_p,
                                         weight_bytes)

@@ -17,7 +17,7 @@ from marft_jax.envs.chat import HFChatTokenizer
 from marft_jax.envs.scoring_pool import ScoringPool
 from marft_jax.envs.task import Task
 from marft_jax.models import attention as attention_lib
-from marft_jax.models import cache_attention, layer_matmul
+from marft_jax.models import cache_attention, layer_matmul, quant_matmul
 from marft_jax.models import lora, registry, sharding
 from marft_jax.models.placement import Placement
 from marft_jax.rl import advantages, topology
@@ -223,14 +223,22 @@ def build_run(cfg: Config) -> Run:
     # one device: a 1-device mesh (the weights load as they are: replicated there is the same array)
     placement = placements[-1] if placements else Placement(
         distributed.build_mesh(cfg.mesh, model.cfg, rows=cfg.rollout.rows), strict=cfg.mesh.strict)
+    try:
+        weights_impl = quant_matmul.resolve(cfg.model.decode_weights, quantized=model.quantized is not None,
+                                            dtype=weights_dtype)
+    except ValueError as e:
+        raise ConfigError(f"{e} ({model.source})") from None
     model = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, attention=impl,
                                                                decode_attention=decode_impl,
-                                                               decode_matmul=matmul_impl))
+                                                               decode_matmul=matmul_impl,
+                                                               decode_weights=weights_impl),
+                                quantized=model.quantized if weights_impl == "native" else None)
     print(distributed.describe_devices(placement.mesh)
           + ("" if plan.initialize else f" ({plan.why})"), flush=True)
     tok = HFChatTokenizer(model.tokenizer, stop_ids=model.stop_token_ids)
     pool = ScoringPool(task, workers=cfg.train.scoring_workers)
-    sampler = Sampler(model.cfg, pad_id=tok.pad_id, stop_ids=tok.stop_ids, max_prompt_len=cfg.rollout.context_window)
+    sampler = Sampler(model.cfg, pad_id=tok.pad_id, stop_ids=tok.stop_ids, max_prompt_len=cfg.rollout.context_window,
+                      quantized=model.quantized)
     sampler.place_on(placement)
     share = share_prefixes(cfg, model.cfg.attention)
     learner = TeamLearner(
