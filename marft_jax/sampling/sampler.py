@@ -158,7 +158,9 @@ def filter_logits(scaled: jax.Array, params: SamplingParams, *, top_k_max: int =
     ``lax.top_k(scaled, top_k_max)``. ``use_top_p``: static switch for ``params.top_p``.
     """
     if top_k_max:
-        vals, _ = jax.lax.top_k(scaled, top_k_max)                        # [batch, top_k_max] sorted
+        # the barrier keeps XLA from folding a constant k's slice into the top-k, which then
+        # runs as a sort of the whole vocabulary (XLA:CPU: 35 ms instead of 0.5 for [4, 49152])
+        vals = jax.lax.optimization_barrier(jax.lax.top_k(scaled, top_k_max)[0])   # [batch, top_k_max] sorted
         k = jnp.clip(params.top_k, 1, top_k_max)
         kth = jax.lax.dynamic_index_in_dim(vals, k - 1, axis=-1, keepdims=True)
         kth = jnp.where(params.top_k > 0, kth, -jnp.inf)
