@@ -7,6 +7,7 @@ plus ``key=value`` overrides, e.g. ``marft-jax train demo ppo.epochs=2 train.ite
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -125,6 +126,7 @@ def cmd_generate(args) -> int:
     import jax
 
     from marft_jax.envs.chat import HFChatTokenizer
+    from marft_jax.models import quant_matmul
     from marft_jax.models.registry import load_model
     from marft_jax.sampling.sampler import Sampler, SamplingConfig
 
@@ -135,7 +137,12 @@ def cmd_generate(args) -> int:
                               "Tom has 3 apples and buys 4 more. How many apples does he have?"]
     ids = [tok.encode_chat([{"role": "user", "content": p}]) if not args.raw else tok.encode_text(p)
            for p in prompts]
-    sampler = Sampler(model.cfg, pad_id=tok.pad_id, stop_ids=tok.stop_ids)
+    # a quantized GGUF checkpoint's decode steps read its blocks where the native kernel runs
+    weights = quant_matmul.resolve("auto", quantized=model.quantized is not None,
+                                   dtype=jax.tree.leaves(model.params)[0].dtype)
+    model_cfg = dataclasses.replace(model.cfg, decode_weights=weights)
+    sampler = Sampler(model_cfg, pad_id=tok.pad_id, stop_ids=tok.stop_ids,
+                      quantized=model.quantized if weights == "native" else None)
     cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                          top_p=args.top_p)
     import time
