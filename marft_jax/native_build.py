@@ -1,7 +1,8 @@
 """Build and cache the native CPU kernels (C++ XLA FFI handlers) with the system compiler.
 
 Shared by the backups kernel (:mod:`marft_jax.rl.native`), the decode-attention kernel
-(:mod:`marft_jax.models.cache_attention`) and the decode projections (:mod:`marft_jax.models.layer_matmul`). A library is compiled once per source, flags,
+(:mod:`marft_jax.models.cache_attention`) and the decode projections
+(:mod:`marft_jax.models.layer_matmul`, :mod:`marft_jax.models.quant_matmul`). A library is compiled once per source, flags,
 jaxlib version, machine and compiler into a per-user cache (``$MARFT_JAX_CACHE``, else
 ``$XDG_CACHE_HOME/marft_jax``, else ``~/.cache/marft_jax``); the build writes a temporary file
 and renames it (atomic), so concurrent processes are safe. Nothing raises at import.

@@ -54,6 +54,10 @@ def test_hand_counted_one_agent_two_steps():
     assert w["critic_features"] == {"flops": 6 * 320 + 21 * 16, "bytes": 848, "tokens": 6}
     # update: trie of [1..5] and [1..7] = 7 tokens (keys 28), head at 2 + 1 positions, 2 passes (N = 1)
     assert w["update"] == {"flops": 2 * (7 * 320 + 28 * 16 + 3 * 80), "bytes": 2 * 848, "tokens": 7}
+    # a decode step reading a checkpoint's quantized blocks counts their bytes, the rest is unchanged
+    q = floor.stage_work(CFG, **arrays, step_mask=np.ones((2, 1), bool), itemsize=4, happo=True,
+                         decode_weight_bytes=100.0)
+    assert q["decode"] == {**w["decode"], "bytes": 100 + 3 * 32} and q["prefill"] == w["prefill"]
     # padding does not change the count
     wide = floor.stage_work(CFG, **_traj([[[[1, 2, 3]]], [[[1, 2, 3, 4, 5, 6]]]], [[[[4, 5]]], [[[7]]]], L=20, K=9),
                             step_mask=np.ones((2, 1), bool))

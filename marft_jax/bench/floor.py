@@ -11,7 +11,8 @@ Pure counting (NumPy only, no model run), for ``bench iteration``. The counting 
   Bytes: the weights once per call.
 * **decode**: response token ``t >= 1`` of a row is one decode step; a call runs as many steps
   as its longest response minus one, and every step reads the weights once (the LM head matrix
-  included) plus, per live row, the K/V of the ``ctx + t - 1`` tokens before it. FLOPs: the
+  included; as stored where a decode step reads a checkpoint's quantized blocks) plus, per live
+  row, the K/V of the ``ctx + t - 1`` tokens before it. FLOPs: the
   live rows' tokens (blocks, attention over ``ctx + t`` keys, LM head).
 * **critic features**: one forward through the blocks (no LM head) over the unique tokens of
   the row's critic contexts (every step and agent, and agent 0's bootstrap context): contexts
@@ -92,7 +93,8 @@ def _seq(tokens: np.ndarray, valid: np.ndarray) -> list[int]:
 
 def stage_work(cfg, *, ctx_tokens, ctx_valid, act_tokens, act_valid, step_mask, boot_ctx_tokens=None,
                boot_ctx_valid=None, critic_ctx_tokens=None, critic_ctx_valid=None, itemsize: int = 4,
-               epochs: int = 1, happo: bool = True, critic_lora: bool = False) -> dict[str, dict[str, float]]:
+               epochs: int = 1, happo: bool = True, critic_lora: bool = False,
+               decode_weight_bytes: float | None = None) -> dict[str, dict[str, float]]:
     """Minimal ``{stage: {"flops", "bytes", "tokens"}}`` of one iteration (module docstring).
 
     Args:
@@ -104,6 +106,8 @@ def stage_work(cfg, *, ctx_tokens, ctx_valid, act_tokens, act_valid, step_mask, 
       critic_ctx_tokens, critic_ctx_valid: the critic's contexts where they differ (else None).
       itemsize: bytes per weight and K/V element (4 for float32).
       epochs: PPO epochs; happo: HAPPO's extra forwards; critic_lora: the critic trains a LoRA.
+      decode_weight_bytes: the weight bytes one decode step reads when they are not ``itemsize``
+        per parameter (a GGUF checkpoint's blocks read by ``model.decode_weights=native``).
     ``tokens``: tokens through the blocks (prefill, critic, update per epoch) or decode row-steps.
     """
     ctx_tokens, ctx_valid = np.asarray(ctx_tokens), np.asarray(ctx_valid, bool)
@@ -123,7 +127,7 @@ def stage_work(cfg, *, ctx_tokens, ctx_valid, act_tokens, act_valid, step_mask, 
                 continue
             pre["bytes"] += wbytes
             steps = int(max(act_len[s, b, i] for b in rows)) - 1
-            dec["bytes"] += steps * wbytes
+            dec["bytes"] += steps * (wbytes if decode_weight_bytes is None else decode_weight_bytes)
             for b in rows:
                 ctx = _seq(ctx_tokens[s, b, i], ctx_valid[s, b, i])
                 reuse = _lcp(ctx, cached.get((b, i), []))

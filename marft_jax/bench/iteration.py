@@ -197,13 +197,20 @@ def _floor_work(mcfg, cfg, learner, traj, itemsize: int) -> dict:
     its own trajectory."""
     from marft_jax.bench import floor
 
+    from marft_jax.sampling.sampler import decode_weight_bytes
+
     t = lambda x: None if x is None else np.asarray(x)
+    sampler = learner.sampler                     # a CountingSampler forwards these to ours
+    blocks = getattr(sampler, "quantized", None)
+    decode_bytes = (None if blocks is None else
+                    float(decode_weight_bytes(sampler.with_quantized(learner.base), None, mcfg)))
     return floor.stage_work(mcfg, ctx_tokens=t(traj.ctx_tokens), ctx_valid=t(traj.ctx_valid),
                             act_tokens=t(traj.act_tokens), act_valid=t(traj.act_valid), step_mask=t(traj.step_mask),
                             boot_ctx_tokens=t(traj.boot_ctx_tokens), boot_ctx_valid=t(traj.boot_ctx_valid),
                             critic_ctx_tokens=t(traj.critic_ctx_tokens), critic_ctx_valid=t(traj.critic_ctx_valid),
                             itemsize=itemsize, epochs=cfg.ppo.epochs,
-                            happo=bool(learner.update_cfg.happo_weighting), critic_lora=bool(cfg.ppo.critic_lora))
+                            happo=bool(learner.update_cfg.happo_weighting), critic_lora=bool(cfg.ppo.critic_lora),
+                            decode_weight_bytes=decode_bytes)
 
 
 def _read_bandwidth(mib: int) -> float:

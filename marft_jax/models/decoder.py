@@ -15,6 +15,9 @@ Parameter layout (``Q = heads·head_dim``, ``KV = kv_heads·head_dim``, kernels 
     layers/{gate,up}_proj/kernel: [layer, H, F];  layers/down_proj/kernel: [layer, F, H]
     final_norm:   [H]
     lm_head:      [H, vocab]   (absent when tie_word_embeddings)
+    quantized:    optional, only in the sampler's decode calls (``model.decode_weights=native``):
+                  a GGUF file's blocks, ``{"layers": {proj: [layer, N, K/32 * block bytes]},
+                  "lm_head": [vocab, H/32 * block bytes]}`` uint8 (:mod:`marft_jax.models.quant_matmul`)
 
 Numerics: matmuls in the parameter dtype (bf16 on GPU/TPU, float32 on CPU); RMSNorm, RoPE,
 softmax and LoRA in float32.
