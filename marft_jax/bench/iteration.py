@@ -200,9 +200,11 @@ def _floor_work(mcfg, cfg, learner, traj, itemsize: int) -> dict:
     from marft_jax.sampling.sampler import decode_weight_bytes
 
     t = lambda x: None if x is None else np.asarray(x)
+    # our decode steps read the checkpoint's blocks when the sampler has them (the reference side
+    # holds no JAX weights: it decodes float32 in PyTorch, its floor counts float32)
     sampler = learner.sampler                     # a CountingSampler forwards these to ours
     blocks = getattr(sampler, "quantized", None)
-    decode_bytes = (None if blocks is None else
+    decode_bytes = (None if blocks is None or learner.base is None else
                     float(decode_weight_bytes(sampler.with_quantized(learner.base), None, mcfg)))
     return floor.stage_work(mcfg, ctx_tokens=t(traj.ctx_tokens), ctx_valid=t(traj.ctx_valid),
                             act_tokens=t(traj.act_tokens), act_valid=t(traj.act_valid), step_mask=t(traj.step_mask),
