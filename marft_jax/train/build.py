@@ -239,6 +239,7 @@ def build_run(cfg: Config) -> Run:
     pool = ScoringPool(task, workers=cfg.train.scoring_workers)
     sampler = Sampler(model.cfg, pad_id=tok.pad_id, stop_ids=tok.stop_ids, max_prompt_len=cfg.rollout.context_window,
                       quantized=model.quantized)
+    model = dataclasses.replace(model, quantized=None)   # the sampler holds the blocks: no second host copy
     sampler.place_on(placement)
     share = share_prefixes(cfg, model.cfg.attention)
     learner = TeamLearner(
