@@ -163,6 +163,31 @@ class Library:
                 self._status = self._load()
             return self._status
 
+    def call_on_rows(self, target: str, x, cols: int, *operands, **attrs):
+        """``target``'s FFI call on ``x`` ``[..., K]`` flattened to ``[rows, K]`` (then ``operands``
+        and the ``attrs``), returning float32 ``[..., cols]``. Builds and registers the library
+        first (a config may name a native kernel directly); raises ``RuntimeError`` naming why it
+        is unavailable."""
+        import jax.numpy as jnp
+
+        st = self.status()
+        if not st.available:
+            raise RuntimeError(f"{self.source.stem}: the native kernel is unavailable: {st.reason}")
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1])
+        out = jax.ShapeDtypeStruct((flat.shape[0], cols), jnp.float32)
+        y = jax.ffi.ffi_call(target, out, vmap_method="sequential")(flat, *operands, **attrs)
+        return y.reshape(lead + (cols,))
+
+
+def rows_fit(x, max_rows: int) -> bool:
+    """Whether ``x`` ``[..., K]`` has 1 to ``max_rows`` rows in all and is float32 (a decode kernel's call)."""
+    import math
+
+    import jax.numpy as jnp
+
+    return 1 <= math.prod(x.shape[:-1]) <= max_rows and x.dtype == jnp.float32
+
 
 CHOICES = ("auto", "xla", "native")
 

@@ -51,10 +51,7 @@ def resolve(requested: str, *, backend: str | None = None, dtype=None, devices: 
 
 def fits(x: jax.Array) -> bool:
     """Whether ``x`` ``[..., K]`` is a call the kernel takes (at most :data:`MAX_ROWS` rows, float32)."""
-    rows = 1
-    for d in x.shape[:-1]:
-        rows *= d
-    return 1 <= rows <= MAX_ROWS and x.dtype == jnp.float32
+    return native_build.rows_fit(x, MAX_ROWS)
 
 
 def matmul(x: jax.Array, stack: jax.Array, layer: jax.Array) -> jax.Array:
@@ -72,11 +69,4 @@ def matmul(x: jax.Array, stack: jax.Array, layer: jax.Array) -> jax.Array:
                          f"{x.shape} {x.dtype} and {stack.shape} {stack.dtype}")
     if not fits(x):
         raise ValueError(f"layer_matmul.matmul: at most {MAX_ROWS} float32 rows, got {x.shape} {x.dtype}")
-    st = status()                     # registers the FFI target (a ModelConfig may name native directly)
-    if not st.available:
-        raise RuntimeError(f"layer_matmul: the native kernel is unavailable: {st.reason}")
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, x.shape[-1])
-    out = jax.ShapeDtypeStruct((flat.shape[0], stack.shape[2]), jnp.float32)
-    y = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(flat, stack, jnp.asarray(layer, jnp.int32))
-    return y.reshape(lead + (stack.shape[2],))
+    return _library.call_on_rows(TARGET, x, stack.shape[2], stack, jnp.asarray(layer, jnp.int32))

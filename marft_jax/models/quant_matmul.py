@@ -78,8 +78,7 @@ def block_format(k: int, row_bytes: int) -> int:
 
 def fits(x: jax.Array) -> bool:
     """Whether ``x`` ``[..., K]`` is a call the kernel takes (at most :data:`MAX_ROWS` rows, float32)."""
-    rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    return 1 <= rows <= MAX_ROWS and x.dtype == jnp.float32
+    return native_build.rows_fit(x, MAX_ROWS)
 
 
 def matmul(x: jax.Array, blocks: jax.Array, layer: jax.Array | int = 0) -> jax.Array:
@@ -99,12 +98,5 @@ def matmul(x: jax.Array, blocks: jax.Array, layer: jax.Array | int = 0) -> jax.A
     fmt = block_format(x.shape[-1], blocks.shape[2])
     if not fits(x):
         raise ValueError(f"quant_matmul.matmul: at most {MAX_ROWS} float32 rows, got {x.shape} {x.dtype}")
-    st = status()                     # registers the FFI target (a ModelConfig may name native directly)
-    if not st.available:
-        raise RuntimeError(f"quant_matmul: the native kernel is unavailable: {st.reason}")
-    lead = x.shape[:-1]
-    flat = x.reshape(-1, x.shape[-1])
-    out = jax.ShapeDtypeStruct((flat.shape[0], blocks.shape[1]), jnp.float32)
-    y = jax.ffi.ffi_call(TARGET, out, vmap_method="sequential")(flat, blocks, jnp.asarray(layer, jnp.int32),
-                                                                 format=np.int32(fmt))
-    return y.reshape(lead + (blocks.shape[1],))
+    return _library.call_on_rows(TARGET, x, blocks.shape[1], blocks, jnp.asarray(layer, jnp.int32),
+                                 format=np.int32(fmt))
