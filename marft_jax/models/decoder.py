@@ -498,13 +498,34 @@ def lm_head(params: Params, cfg: ModelConfig) -> jax.Array:
     return params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
 
 
+class Head(NamedTuple):
+    """The output projection as stored: ``weight`` ``[vocab, H]`` (the tied embedding,
+    ``vocab_major``) or ``[H, vocab]`` (an untied ``lm_head``). A transposed embedding handed into
+    a scan is a loop input XLA cannot fold into the loop's dots: it materializes the 113 MB
+    ``[H, vocab]`` copy once per scan (SmolLM2-135M), so callers keep the stored layout."""
+
+    weight: jax.Array
+    vocab_major: bool
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """``[..., H] -> [..., vocab]`` float32 logits (accumulated in float32)."""
+        spec = "...h,vh->...v" if self.vocab_major else "...h,hv->...v"
+        return jnp.einsum(spec, hidden, self.weight.astype(hidden.dtype), preferred_element_type=jnp.float32)
+
+
+def output_head(params: Params, cfg: ModelConfig) -> Head:
+    """The LM head in its stored layout (:class:`Head`)."""
+    if cfg.tie_word_embeddings:
+        return Head(params["embed"], True)
+    return Head(params["lm_head"], False)
+
+
 def logits_from_hidden(params: Params, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
     """``[..., H] -> [..., vocab]`` float32 logits (accumulated in float32)."""
     head = params.get(QUANTIZED, {}).get("lm_head")
     if cfg.decode_weights == "native" and head is not None and quant_matmul.fits(hidden):
         return quant_matmul.matmul(hidden, head[None], 0)
-    w = lm_head(params, cfg)
-    return jnp.einsum("...h,hv->...v", hidden, w.astype(hidden.dtype), preferred_element_type=jnp.float32)
+    return output_head(params, cfg).logits(hidden)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "remat"))

@@ -71,7 +71,7 @@ def _device_memory_bytes() -> int | None:
 
 def chunked_logprobs(
     hidden: jax.Array,
-    head: jax.Array,
+    head: jax.Array | decoder.Head,
     targets: jax.Array,
     temperature: float | jax.Array = 1.0,
     chunk: int = 128,
@@ -80,7 +80,8 @@ def chunked_logprobs(
 
     Args:
       hidden: ``[batch, time, H]`` last-layer hidden states at the predicting positions.
-      head: ``[H, vocab]`` LM-head matrix.
+      head: ``[H, vocab]`` LM-head matrix, or a :class:`~marft_jax.models.decoder.Head` in its
+        stored layout (what the update passes: no transposed copy of a tied embedding).
       targets: ``[batch, time]`` int32 token predicted at each position.
       temperature: sampling temperature T (> 0).
       chunk: at most this many positions per chunk (fewer when ``batch x chunk x vocab`` float32
@@ -90,11 +91,13 @@ def chunked_logprobs(
     """
     chex.assert_rank(hidden, 3)
     chex.assert_rank(targets, 2)
+    head = head if isinstance(head, decoder.Head) else decoder.Head(head, vocab_major=False)
+    vocab = head.weight.shape[0 if head.vocab_major else 1]
     b, t, h = hidden.shape
     # At most ~logits_chunk_bytes() of float32 logits per chunk: [b, chunk, vocab] and the few
     # buffers of its size the log-softmax and its gradient keep (the update's largest temporaries
     # on the reference workload were these: 12 x 128 x 49,152 x 4 B = 302 MB each).
-    chunk = max(1, min(chunk, t, logits_chunk_bytes() // max(1, b * head.shape[-1] * 4)))
+    chunk = max(1, min(chunk, t, logits_chunk_bytes() // max(1, b * vocab * 4)))
     n = -(-t // chunk)
     pad = n * chunk - t
     hid = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0))).reshape(b, n, chunk, h).swapaxes(0, 1)
@@ -103,7 +106,7 @@ def chunked_logprobs(
 
     @jax.checkpoint
     def one(hc, tc):
-        z = jnp.einsum("bch,hv->bcv", hc, head.astype(hc.dtype), preferred_element_type=jnp.float32) * inv_t
+        z = head.logits(hc) * inv_t
         return logprob_and_entropy(z, tc)
 
     def body(_, xs):
@@ -183,5 +186,5 @@ def packed_action_logprobs_fn(params, lora, agent, rows, gather, act_tokens, act
     # Keep the gathered states split over the data shards: the vocabulary head then runs on
     # 1/D of the positions per device instead of all of them on every device.
     pred = sharding.constrain_rows(jnp.take(flat, gather, axis=0))      # [n, K, H]
-    logp, ent = chunked_logprobs(pred, decoder.lm_head(params, cfg), act_tokens, temperature, chunk)
+    logp, ent = chunked_logprobs(pred, decoder.output_head(params, cfg), act_tokens, temperature, chunk)
     return jnp.where(act_valid, logp, 0.0), jnp.where(act_valid, ent, 0.0)
