@@ -109,6 +109,9 @@ class RolloutConfig:
     # context_window: truncate_history (drop the oldest turns) | end_episode (truncated,
     # bootstrapped) | error (marft_jax.rl.rollout)
     overflow: str = "truncate_history"
+    # Reuse the K/V of the prompt prefix an agent's step repeats from its previous step (the
+    # history so far) instead of prefilling it again (marft_jax.sampling.prefix_reuse)
+    reuse_prefix: bool = True
 
     def budget(self, agent: int) -> int:
         """Agent ``agent``'s token budget K_i."""

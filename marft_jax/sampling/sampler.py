@@ -65,6 +65,7 @@ from marft_jax.models.config import ModelConfig
 from marft_jax.models.logprobs import logprob_and_entropy
 from marft_jax.models.placement import Placement
 from marft_jax.sampling import buckets
+from marft_jax.sampling.prefix_reuse import PrefixKV, PrefixStore, StoredPrompts, gather_prefix, prefix_layout, prompt_slots
 
 Params = dict[str, Any]
 _TOP_K_MIN_BUCKET = 64  # top-k values up to this share one compiled program
@@ -359,6 +360,7 @@ def prefill(
     top_k_max: int = 0,
     use_top_p: bool = False,
     slots: int | None = None,
+    prefix: PrefixKV | None = None,
 ) -> SamplerState:
     """Run the prompts, fill a fresh KV cache and choose the first generated token.
 
@@ -373,23 +375,39 @@ def prefill(
       budget: int32 scalar, tokens to generate at most (clipped to ``[1, max_new_tokens]``).
       pad_id: int32 scalar written after each row's end.
       max_new_tokens: static, the size of the output buffers.
-      slots: static cache size (default ``prompt_bucket + max_new_tokens``: one decode phase to
-        the end); the prompt attends over its own keys only, never over the empty slots.
+      slots: static cache size (default ``P + prompt_bucket + max_new_tokens``: one decode phase
+        to the end); the prompt attends over its own keys (and the reused prefix) only, never
+        over the empty slots.
+      prefix: reused prompt prefixes (:mod:`marft_jax.sampling.prefix_reuse`): ``tokens`` are
+        then the rest of each prompt; the cache's first ``P`` slots hold the prefixes and the
+        positions continue from ``prefix.lengths``. None: ``tokens`` are whole prompts (``P = 0``).
     Returns the :class:`SamplerState` after one generated position.
     """
     chex.assert_rank([tokens, valid, active], [2, 2, 1])
     b, length = tokens.shape
-    slots = length + max_new_tokens if slots is None else int(slots)
-    if slots < length:
-        raise ValueError(f"prefill: slots={slots} < prompt bucket {length}")
+    reused = 0 if prefix is None else prefix.k.shape[3]
+    slots = reused + length + max_new_tokens if slots is None else int(slots)
+    if slots < reused + length:
+        raise ValueError(f"prefill: slots={slots} < prompt bucket {length} + reused prefix {reused}")
     stop_ids = jnp.asarray(stop_ids, jnp.int32)
     if stop_ids.ndim == 1:
         stop_ids = jnp.broadcast_to(stop_ids[None], (b, stop_ids.shape[0]))
     chex.assert_rank(stop_ids, 2)
     agent = jnp.asarray(agent, jnp.int32)
-    cache = decoder.KVCache.init(cfg, b, slots, dtype=params["embed"].dtype)
-    hidden, cache = decoder.forward(params, tokens, valid, cfg=cfg, lora=lora,
-                                    agent=agent if lora is not None else None, cache=cache, read_slots=0)
+    dtype = params["embed"].dtype
+    positions = decoder.position_ids(valid)
+    if prefix is None:
+        cache = decoder.KVCache.init(cfg, b, slots, dtype=dtype)
+        start = jnp.zeros((b,), jnp.int32)
+    else:
+        grow = ((0, 0), (0, 0), (0, 0), (0, slots - reused), (0, 0))
+        cache = decoder.KVCache(k=jnp.pad(prefix.k.astype(dtype), grow), v=jnp.pad(prefix.v.astype(dtype), grow),
+                                valid=jnp.pad(prefix.valid, ((0, 0), (0, slots - reused))),
+                                index=jnp.asarray(reused, jnp.int32))
+        start = prefix.lengths.astype(jnp.int32)
+        positions = positions + start[:, None]
+    hidden, cache = decoder.forward(params, tokens, valid, cfg=cfg, positions=positions, lora=lora,
+                                    agent=agent if lora is not None else None, cache=cache, read_slots=reused)
     logits = decoder.logits_from_hidden(params, cfg, hidden[:, -1])
     out_f32 = jnp.zeros((b, max_new_tokens), jnp.float32)
     state = SamplerState(
@@ -397,7 +415,7 @@ def prefill(
         tokens=jnp.full((b, max_new_tokens), pad_id, jnp.int32),
         logps=out_f32, policy_logps=out_f32, entropies=out_f32,
         last=jnp.zeros((b,), jnp.int32),
-        positions=jnp.sum(valid, axis=-1, dtype=jnp.int32) - 1,   # of the last prompt token
+        positions=start + jnp.sum(valid, axis=-1, dtype=jnp.int32) - 1,   # of the last prompt token
         done=~active, finished=jnp.zeros((b,), bool), lengths=jnp.zeros((b,), jnp.int32),
         step=jnp.zeros((), jnp.int32),
         budget=jnp.clip(jnp.asarray(budget, jnp.int32), 1, max_new_tokens),
@@ -569,7 +587,8 @@ class SamplerTotals:
     decode_bytes: bytes a decode step must read, summed over steps: the weights (base + LoRA)
     plus the K/V cache slots attention reads (the floor of HBM traffic; ``perf/hbm_bw_util``),
     summed over the devices that hold them (:func:`device_bytes`: on a mesh, replicated weights
-    count once per device, split rows of the cache once in all).
+    count once per device, split rows of the cache once in all); prefill_reused: prompt tokens
+    whose K/V came from an earlier call (:mod:`marft_jax.sampling.prefix_reuse`), not computed.
     """
 
     calls: int = 0
@@ -578,6 +597,7 @@ class SamplerTotals:
     prefill_slots: int = 0
     decode_row_steps: int = 0
     decode_bytes: float = 0.0
+    prefill_reused: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -592,6 +612,7 @@ class PrefillCall:
     static: dict
     phases: tuple[int, ...]
     limit: int
+    prefix_slots: int = 0
 
 
 class Sampler:
@@ -673,10 +694,12 @@ class Sampler:
                      config: SamplingConfig = SamplingConfig(), lora: lora_lib.LoraStack | None = None,
                      agent: int | Sequence[int] = 0, stop_ids: Sequence[int] | None = None,
                      budget: int | None = None, policy_temperature: float = 1.0,
-                     rows: Callable[[np.ndarray], Any] | None = None) -> "PrefillCall":
+                     rows: Callable[[np.ndarray], Any] | None = None, prefix_slots: int = 0) -> "PrefillCall":
         """The padded batch and :func:`prefill`'s arguments after the weights for one call
         (arguments as :meth:`__call__`). ``rows`` places a row-major array (default: the
-        sampler's row split; ``marft-jax preflight`` passes abstract placed shapes)."""
+        sampler's row split; ``marft-jax preflight`` passes abstract placed shapes).
+        ``prefix_slots``: the reused prefix bucket ``P`` in front of ``prompts`` (then the rest
+        of each prompt; :mod:`marft_jax.sampling.prefix_reuse`)."""
         rows = rows or self._rows
         batch = buckets.pad_prompts(prompts, pad_id=self.pad_id, min_length=self.min_prompt_bucket,
                                     max_length=self.max_prompt_len, min_batch=self.min_batch,
@@ -696,14 +719,14 @@ class Sampler:
                                        policy_temperature=policy_temperature)
         max_new = config.max_new_tokens
         limit = int(np.clip(max_new if budget is None else budget, 1, max_new))
-        phases = decode_phases(length, max_new)
+        phases = decode_phases(prefix_slots + length, max_new)
         static = dict(cfg=self.cfg, top_k_max=top_k_bucket(config.top_k, self.cfg.vocab_size),
                       use_top_p=config.top_p < 1.0)
         args = (rows(batch.tokens), rows(batch.valid), rows(batch.active), agent_arr,
                 jnp.asarray(stop_id_array(ids)), key, sampling, jnp.int32(limit), jnp.int32(self.pad_id))
         return PrefillCall(batch=batch, args=args, kwargs=dict(static, max_new_tokens=max_new,
-                                                               slots=length + phases[0]),
-                           static=static, phases=phases, limit=limit)
+                                                               slots=prefix_slots + length + phases[0]),
+                           static=static, phases=phases, limit=limit, prefix_slots=prefix_slots)
 
     def __call__(
         self,
@@ -717,6 +740,7 @@ class Sampler:
         stop_ids: Sequence[int] | None = None,
         budget: int | None = None,
         policy_temperature: float = 1.0,
+        prefix: PrefixStore | None = None,
     ) -> SampleResult:
         """Sample one response per prompt.
 
@@ -729,10 +753,20 @@ class Sampler:
           budget: generate at most this many tokens (<= max_new_tokens; traced, no recompile).
           policy_temperature: temperature of the returned ``policy_logps`` / ``entropies``
             (traced, > 0).
+          prefix: reuse the K/V of prompt prefixes this store holds from earlier calls with the
+            same weights, and keep this call's prompt K/V in it
+            (:mod:`marft_jax.sampling.prefix_reuse`); None: every prompt is prefilled whole.
         Returns a :class:`SampleResult` of NumPy arrays with ``len(prompts)`` rows.
         """
+        agents = [int(agent)] * len(prompts) if np.ndim(agent) == 0 else [int(a) for a in agent]
+        match = prefix.match(prompts, agents) if prefix is not None else None
+        reused, whole = 0, prompts
+        if match is not None:
+            reused = buckets.prompt_bucket(int(match.lengths.max()), minimum=self.min_prompt_bucket,
+                                           fine_above=self.fine_above or 1 << 30)
+            prompts = [p[int(m):] for p, m in zip(prompts, match.lengths)]
         call = self.prefill_call(prompts, key=key, config=config, lora=lora, agent=agent, stop_ids=stop_ids,
-                                 budget=budget, policy_temperature=policy_temperature)
+                                 budget=budget, policy_temperature=policy_temperature, prefix_slots=reused)
         params = self.with_quantized(params)
         batch, phases, limit = call.batch, call.phases, call.limit
         n, (b, length) = batch.num_real, batch.tokens.shape
@@ -741,12 +775,21 @@ class Sampler:
         # Under the run's context mesh the decoder keeps the rows split (with mesh.fsdp: each
         # layer's weights gathered, not every row's partial sums all-reduced).
         with jax.profiler.TraceAnnotation("sampler/prefill"), self._mesh_context():
-            state = prefill(params, lora, *call.args, **call.kwargs)
+            kwargs = call.kwargs
+            if match is not None:
+                entry = prefix.entries[prefix.key(agents)]
+                plan = prefix_layout(match, entry, b, reused)
+                kwargs = dict(kwargs, prefix=gather_prefix(entry.k, entry.v, *map(self._rows, plan)))
+                prefix.reused_tokens += match.reused
+                self.totals.prefill_reused += match.reused
+            state = prefill(params, lora, *call.args, **kwargs)
+            if prefix is not None:
+                prefix.put(agents, self._stored_prompts(state, call, whole, match, reused, agents))
             jax.block_until_ready(state.last)
         t1 = time.perf_counter()
         weight_bytes = decode_weight_bytes(params, lora, self.cfg)
         with jax.profiler.TraceAnnotation("sampler/decode"), self._mesh_context():
-            state = self._decode_phases(params, lora, state, length, phases, limit, top_k_max, use_top_p,
+            state = self._decode_phases(params, lora, state, reused + length, phases, limit, top_k_max, use_top_p,
                                         weight_bytes)
             res = self._host(result_of(state))
         tot = self.totals
@@ -757,6 +800,21 @@ class Sampler:
         return SampleResult(tokens=res.tokens[:n], lengths=res.lengths[:n], logps=res.logps[:n],
                             finished=res.finished[:n], steps=int(res.steps),
                             policy_logps=res.policy_logps[:n], entropies=res.entropies[:n])
+
+    def _stored_prompts(self, state: SamplerState, call: PrefillCall, prompts: Sequence[Sequence[int]],
+                        match, reused: int, agents: list[int]) -> StoredPrompts:
+        """This call's prompt K/V for later calls (:class:`PrefixStore`): the cache's first
+        ``reused + prompt bucket`` slots and, per real row, its whole prompt and their slots."""
+        batch = call.batch
+        n, length = batch.num_real, batch.tokens.shape[1]
+        k, v = prompt_slots(state.cache.k, state.cache.v, length=reused + length)
+        slot_of = []
+        for r in range(n):
+            p = 0 if match is None else int(match.lengths[r])
+            slot_of.append(np.concatenate([np.arange(reused - p, reused),
+                                           np.flatnonzero(batch.valid[r]) + reused]).astype(np.int32))
+        return StoredPrompts(k=k, v=v, tokens=[np.asarray(p, np.int64) for p in prompts],
+                             agents=np.asarray(agents, np.int64), slot_of=slot_of)
 
     def _decode_phases(self, params, lora, state: SamplerState, length: int, phases: tuple[int, ...],
                        limit: int, top_k_max: int, use_top_p: bool, weight_bytes: int = 0) -> SamplerState:

@@ -25,6 +25,7 @@ from marft_jax.config import RolloutConfig
 from marft_jax.rl.rollout import Generation, Team
 from marft_jax.rl.state import TrainState
 from marft_jax.rl.update import UpdateConfig, ppo_update
+from marft_jax.sampling.prefix_reuse import PrefixStore
 from marft_jax.sampling.sampler import Sampler, SamplingConfig
 from marft_jax.train import host_memory
 from marft_jax.train.hosts import ProcessRows, gather_trajectory
@@ -43,11 +44,16 @@ def interval_agent(env_samples: int, interval: int, offset: int, num_agents: int
 
 
 def make_generate(sampler: Sampler, base, lora, sampling: SamplingConfig | RolloutConfig,
-                  policy_temperature: float = 1.0, rows: ProcessRows = ProcessRows()) -> rollout_lib.GenerateFn:
+                  policy_temperature: float = 1.0, rows: ProcessRows = ProcessRows(),
+                  reuse_prefix: bool = False) -> rollout_lib.GenerateFn:
     """Adapt the sampler to the rollout's ``GenerateFn`` (adapters selected per row).
 
     ``sampling``: the sampler's settings (``max_new_tokens``, ``temperature``, ``top_k``,
     ``top_p``), the run's rollout section or a :class:`SamplingConfig`.
+
+    ``reuse_prefix`` (``rollout.reuse_prefix``): each call reuses the prompt K/V
+    of the earlier calls of this rollout where a prompt repeats an earlier one's beginning
+    (:mod:`marft_jax.sampling.prefix_reuse`).
 
     ``policy_temperature``: the training temperature; the sampler's log-probs and entropies at
     it are PPO's old log-probs (``prepare.py``).
@@ -59,10 +65,14 @@ def make_generate(sampler: Sampler, base, lora, sampling: SamplingConfig | Rollo
     default) takes the same path: its gather is its own prompts.
     """
 
+    # one store per rollout: the K/V it keeps belong to these weights
+    store = PrefixStore() if reuse_prefix else None
+
     def sample(prompts, agents: np.ndarray, max_new: int, key):
         agent = int(agents[0]) if np.all(agents == agents[0]) else [int(a) for a in agents]
         return sampler(base, prompts, key=key, config=sampling, lora=lora, agent=agent,
-                       budget=min(max_new, sampling.max_new_tokens), policy_temperature=policy_temperature)
+                       budget=min(max_new, sampling.max_new_tokens), policy_temperature=policy_temperature,
+                       prefix=store)
 
     def generate(prompts: Sequence[Sequence[int]], agents: np.ndarray, max_new: int, key) -> Generation:
         parts = rows.gather(([list(map(int, p)) for p in prompts], np.asarray(agents, np.int32), int(max_new)))
@@ -141,7 +151,7 @@ class TeamLearner:
         """
         rcfg = self.rollout_cfg
         gen = make_generate(self.sampler, self.base, state.lora, sampling or rcfg, policy_temperature=rcfg.temperature,
-                            rows=self.rows)
+                            rows=self.rows, reuse_prefix=rcfg.reuse_prefix)
         traj, texts = rollout_lib.rollout(problems, team=self.team, tokenizer=self.tokenizer, generate=gen,
                                           score=self.score_fn, cfg=rcfg, key=key,
                                           min_context_bucket=max(16, self.run_state.context_bucket),
