@@ -247,11 +247,14 @@ class CountingSampler:
 
     def __call__(self, params, prompts, *, key, config, stop_ids=None, **kw):
         from marft_jax.bench.g1_pipeline import decode_flops
+        from marft_jax.bench.update import _body_flops
         from marft_jax.sampling import buckets
         from marft_jax.sampling import sampler as sampler_lib
 
-        out = self.inner(params, prompts, key=key, config=config, stop_ids=() if self.no_eos else stop_ids, **kw)
         s = self.inner
+        tot = getattr(s, "totals", None)
+        before = None if tot is None else (tot.prefill_slots, getattr(tot, "prefill_reused", 0))
+        out = self.inner(params, prompts, key=key, config=config, stop_ids=() if self.no_eos else stop_ids, **kw)
         pad_kw = dict(pad_id=s.pad_id, min_length=s.min_prompt_bucket, max_length=s.max_prompt_len,
                       min_batch=s.min_batch, max_batch=s.max_batch)
         if hasattr(s, "fine_above"):
@@ -261,8 +264,14 @@ class CountingSampler:
         phases = sampler_lib.decode_phases(plen, max_new) if hasattr(sampler_lib, "decode_phases") else (max_new,)
         keys_at = lambda t: plen + min((n for n in phases if n > t), default=max_new)
         steps = int(out.steps)
+        prefill_slots, flops = b * plen, decode_flops(self.cfg, b, plen, steps, keys_at)
+        if before is not None and s.totals.prefill_reused > before[1]:
+            # rollout.reuse_prefix: the prefill computed only the prompts' rest (attention to the
+            # copied prefix not counted); the decode steps still read the whole prompt's keys
+            prefill_slots = s.totals.prefill_slots - before[0]
+            flops -= _body_flops(self.cfg, b, plen) - _body_flops(self.cfg, b, prefill_slots // b)
         self.work.add(sum(len(p) for p in prompts) + int(np.asarray(out.lengths).sum()),
-                      b * plen + b * max(steps - 1, 0), decode_flops(self.cfg, b, plen, steps, keys_at))
+                      prefill_slots + b * max(steps - 1, 0), flops)
         return out
 
 

@@ -16,8 +16,10 @@ the trainer opens one per rollout (``iteration.make_generate``) and drops it aft
 
 Layout of a reused prefill (``sampler.prefill(..., prefix=PrefixKV)``): the ``P`` reused slots
 (right-aligned per row: row ``r``'s ``p_r`` prefix tokens fill slots ``P - p_r .. P - 1``) come
-first, then the suffix bucket ``S`` (left-padded), then the decode slots. Attention masks the
-gap; RoPE positions continue from ``p_r``.
+first, then the rest's bucket ``S`` (left-padded); the rest attends to both (the gap masked),
+at RoPE positions continuing from ``p_r``. The cache is then compacted to the whole prompts'
+bucket, each row's prompt right-aligned as a whole prefill leaves it, so the decode steps read
+exactly the slots they would have read without the reuse.
 """
 
 from __future__ import annotations

@@ -340,7 +340,7 @@ def _pick_and_advance(s: SamplerState, cache: decoder.KVCache, logits: jax.Array
     return _advance(s, cache, tok, logp, policy_logp, entropy)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "top_k_max", "use_top_p", "slots"))
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "top_k_max", "use_top_p", "slots", "whole_len"))
 @jax.named_scope("rollout/prefill")
 def prefill(
     params: Params,
@@ -361,6 +361,7 @@ def prefill(
     use_top_p: bool = False,
     slots: int | None = None,
     prefix: PrefixKV | None = None,
+    whole_len: int | None = None,
 ) -> SamplerState:
     """Run the prompts, fill a fresh KV cache and choose the first generated token.
 
@@ -375,20 +376,26 @@ def prefill(
       budget: int32 scalar, tokens to generate at most (clipped to ``[1, max_new_tokens]``).
       pad_id: int32 scalar written after each row's end.
       max_new_tokens: static, the size of the output buffers.
-      slots: static cache size (default ``P + prompt_bucket + max_new_tokens``: one decode phase
-        to the end); the prompt attends over its own keys (and the reused prefix) only, never
-        over the empty slots.
+      slots: static cache size (default ``prompt bucket + max_new_tokens``: one decode phase to
+        the end); the prompt attends over its own keys (and the reused prefix) only, never over
+        the empty slots.
       prefix: reused prompt prefixes (:mod:`marft_jax.sampling.prefix_reuse`): ``tokens`` are
-        then the rest of each prompt; the cache's first ``P`` slots hold the prefixes and the
-        positions continue from ``prefix.lengths``. None: ``tokens`` are whole prompts (``P = 0``).
+        then the rest of each prompt, which attends to the ``P`` prefix slots; positions continue
+        from ``prefix.lengths``. The cache is then compacted to ``whole_len`` slots (static, at
+        least every row's prefix + rest): each row's whole prompt right-aligned, as a prefill
+        of the whole prompts would leave it, so the decode steps read no gap between the two.
+        None: ``tokens`` are whole prompts.
     Returns the :class:`SamplerState` after one generated position.
     """
     chex.assert_rank([tokens, valid, active], [2, 2, 1])
     b, length = tokens.shape
     reused = 0 if prefix is None else prefix.k.shape[3]
-    slots = reused + length + max_new_tokens if slots is None else int(slots)
-    if slots < reused + length:
-        raise ValueError(f"prefill: slots={slots} < prompt bucket {length} + reused prefix {reused}")
+    if prefix is not None and whole_len is None:
+        raise ValueError("prefill: a reused prefix needs whole_len (the compacted prompt bucket)")
+    prompt_len = length if prefix is None else int(whole_len)
+    slots = prompt_len + max_new_tokens if slots is None else int(slots)
+    if slots < prompt_len:
+        raise ValueError(f"prefill: slots={slots} < prompt bucket {prompt_len}")
     stop_ids = jnp.asarray(stop_ids, jnp.int32)
     if stop_ids.ndim == 1:
         stop_ids = jnp.broadcast_to(stop_ids[None], (b, stop_ids.shape[0]))
@@ -400,14 +407,16 @@ def prefill(
         cache = decoder.KVCache.init(cfg, b, slots, dtype=dtype)
         start = jnp.zeros((b,), jnp.int32)
     else:
-        grow = ((0, 0), (0, 0), (0, 0), (0, slots - reused), (0, 0))
+        grow = ((0, 0), (0, 0), (0, 0), (0, length), (0, 0))
         cache = decoder.KVCache(k=jnp.pad(prefix.k.astype(dtype), grow), v=jnp.pad(prefix.v.astype(dtype), grow),
-                                valid=jnp.pad(prefix.valid, ((0, 0), (0, slots - reused))),
+                                valid=jnp.pad(prefix.valid, ((0, 0), (0, length))),
                                 index=jnp.asarray(reused, jnp.int32))
         start = prefix.lengths.astype(jnp.int32)
         positions = positions + start[:, None]
     hidden, cache = decoder.forward(params, tokens, valid, cfg=cfg, positions=positions, lora=lora,
                                     agent=agent if lora is not None else None, cache=cache, read_slots=reused)
+    if prefix is not None:
+        cache = _compact_prompts(cache, start, jnp.sum(valid, axis=-1, dtype=jnp.int32), reused, prompt_len, slots)
     logits = decoder.logits_from_hidden(params, cfg, hidden[:, -1])
     out_f32 = jnp.zeros((b, max_new_tokens), jnp.float32)
     state = SamplerState(
@@ -422,6 +431,24 @@ def prefill(
         agent=agent, stop_ids=stop_ids, row_ids=jnp.arange(b, dtype=jnp.int32), key=key,
         pad_id=jnp.asarray(pad_id, jnp.int32), sampling=sampling)
     return _pick_and_advance(state, cache, logits, top_k_max, use_top_p)
+
+
+def _compact_prompts(cache: decoder.KVCache, reused_len: jax.Array, rest_len: jax.Array, reused: int,
+                     whole: int, slots: int) -> decoder.KVCache:
+    """A prefill-after-prefix cache (``reused`` prefix slots, row ``r``'s ``reused_len[r]``
+    right-aligned, then the rest's bucket with its ``rest_len[r]`` tokens right-aligned) as
+    ``slots`` slots whose first ``whole`` hold each row's whole prompt right-aligned."""
+    rest = cache.k.shape[3] - reused
+    total = (reused_len + rest_len)[:, None]
+    off = jnp.arange(whole, dtype=jnp.int32)[None, :] - (whole - total)             # [b, whole]
+    src = jnp.where(off < reused_len[:, None], reused - reused_len[:, None] + off,
+                    reused + rest - rest_len[:, None] + off - reused_len[:, None])
+    ok = off >= 0
+    src = jnp.where(ok, src, 0)
+    grow = ((0, 0), (0, 0), (0, 0), (0, slots - whole), (0, 0))
+    take = lambda x: jnp.pad(jnp.take_along_axis(x, src[None, :, None, :, None], axis=3), grow)
+    return decoder.KVCache(k=take(cache.k), v=take(cache.v), valid=jnp.pad(ok, ((0, 0), (0, slots - whole))),
+                           index=jnp.asarray(whole, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "top_k_max", "use_top_p"), donate_argnums=(2,))
@@ -612,7 +639,6 @@ class PrefillCall:
     static: dict
     phases: tuple[int, ...]
     limit: int
-    prefix_slots: int = 0
 
 
 class Sampler:
@@ -694,12 +720,13 @@ class Sampler:
                      config: SamplingConfig = SamplingConfig(), lora: lora_lib.LoraStack | None = None,
                      agent: int | Sequence[int] = 0, stop_ids: Sequence[int] | None = None,
                      budget: int | None = None, policy_temperature: float = 1.0,
-                     rows: Callable[[np.ndarray], Any] | None = None, prefix_slots: int = 0) -> "PrefillCall":
+                     rows: Callable[[np.ndarray], Any] | None = None, whole_len: int | None = None) -> "PrefillCall":
         """The padded batch and :func:`prefill`'s arguments after the weights for one call
         (arguments as :meth:`__call__`). ``rows`` places a row-major array (default: the
         sampler's row split; ``marft-jax preflight`` passes abstract placed shapes).
-        ``prefix_slots``: the reused prefix bucket ``P`` in front of ``prompts`` (then the rest
-        of each prompt; :mod:`marft_jax.sampling.prefix_reuse`)."""
+        ``whole_len``: ``prompts`` are the rest of prompts whose reused prefix the call adds
+        (:mod:`marft_jax.sampling.prefix_reuse`); the cache then holds the whole prompts'
+        bucket ``whole_len``."""
         rows = rows or self._rows
         batch = buckets.pad_prompts(prompts, pad_id=self.pad_id, min_length=self.min_prompt_bucket,
                                     max_length=self.max_prompt_len, min_batch=self.min_batch,
@@ -719,14 +746,15 @@ class Sampler:
                                        policy_temperature=policy_temperature)
         max_new = config.max_new_tokens
         limit = int(np.clip(max_new if budget is None else budget, 1, max_new))
-        phases = decode_phases(prefix_slots + length, max_new)
+        cache_len = length if whole_len is None else int(whole_len)
+        phases = decode_phases(cache_len, max_new)
         static = dict(cfg=self.cfg, top_k_max=top_k_bucket(config.top_k, self.cfg.vocab_size),
                       use_top_p=config.top_p < 1.0)
         args = (rows(batch.tokens), rows(batch.valid), rows(batch.active), agent_arr,
                 jnp.asarray(stop_id_array(ids)), key, sampling, jnp.int32(limit), jnp.int32(self.pad_id))
         return PrefillCall(batch=batch, args=args, kwargs=dict(static, max_new_tokens=max_new,
-                                                               slots=prefix_slots + length + phases[0]),
-                           static=static, phases=phases, limit=limit, prefix_slots=prefix_slots)
+                                                               slots=cache_len + phases[0]),
+                           static=static, phases=phases, limit=limit)
 
     def __call__(
         self,
@@ -760,16 +788,16 @@ class Sampler:
         """
         agents = [int(agent)] * len(prompts) if np.ndim(agent) == 0 else [int(a) for a in agent]
         match = prefix.match(prompts, agents) if prefix is not None else None
-        reused, whole = 0, prompts
+        whole, whole_len = prompts, None
         if match is not None:
-            reused = buckets.prompt_bucket(int(match.lengths.max()), minimum=self.min_prompt_bucket,
-                                           fine_above=self.fine_above or 1 << 30)
+            whole_len = self._length_bucket(max(len(p) for p in prompts))
             prompts = [p[int(m):] for p, m in zip(prompts, match.lengths)]
         call = self.prefill_call(prompts, key=key, config=config, lora=lora, agent=agent, stop_ids=stop_ids,
-                                 budget=budget, policy_temperature=policy_temperature, prefix_slots=reused)
+                                 budget=budget, policy_temperature=policy_temperature, whole_len=whole_len)
         params = self.with_quantized(params)
         batch, phases, limit = call.batch, call.phases, call.limit
         n, (b, length) = batch.num_real, batch.tokens.shape
+        cache_len = length if whole_len is None else whole_len
         top_k_max, use_top_p = call.static["top_k_max"], call.static["use_top_p"]
         t0 = time.perf_counter()
         # Under the run's context mesh the decoder keeps the rows split (with mesh.fsdp: each
@@ -778,18 +806,22 @@ class Sampler:
             kwargs = call.kwargs
             if match is not None:
                 entry = prefix.entries[prefix.key(agents)]
-                plan = prefix_layout(match, entry, b, reused)
-                kwargs = dict(kwargs, prefix=gather_prefix(entry.k, entry.v, *map(self._rows, plan)))
+                plan = prefix_layout(match, entry, b, self._length_bucket(int(match.lengths.max())))
+                kwargs = dict(kwargs, prefix=gather_prefix(entry.k, entry.v, *map(self._rows, plan)),
+                              whole_len=whole_len)
                 prefix.reused_tokens += match.reused
                 self.totals.prefill_reused += match.reused
             state = prefill(params, lora, *call.args, **kwargs)
-            if prefix is not None:
-                prefix.put(agents, self._stored_prompts(state, call, whole, match, reused, agents))
+            if prefix is not None:       # each row's whole prompt, right-aligned in the first cache_len slots
+                k, v = prompt_slots(state.cache.k, state.cache.v, length=cache_len)
+                prefix.put(agents, StoredPrompts(
+                    k=k, v=v, tokens=[np.asarray(p, np.int64) for p in whole], agents=np.asarray(agents, np.int64),
+                    slot_of=[np.arange(cache_len - len(p), cache_len, dtype=np.int32) for p in whole]))
             jax.block_until_ready(state.last)
         t1 = time.perf_counter()
         weight_bytes = decode_weight_bytes(params, lora, self.cfg)
         with jax.profiler.TraceAnnotation("sampler/decode"), self._mesh_context():
-            state = self._decode_phases(params, lora, state, reused + length, phases, limit, top_k_max, use_top_p,
+            state = self._decode_phases(params, lora, state, cache_len, phases, limit, top_k_max, use_top_p,
                                         weight_bytes)
             res = self._host(result_of(state))
         tot = self.totals
@@ -801,20 +833,12 @@ class Sampler:
                             finished=res.finished[:n], steps=int(res.steps),
                             policy_logps=res.policy_logps[:n], entropies=res.entropies[:n])
 
-    def _stored_prompts(self, state: SamplerState, call: PrefillCall, prompts: Sequence[Sequence[int]],
-                        match, reused: int, agents: list[int]) -> StoredPrompts:
-        """This call's prompt K/V for later calls (:class:`PrefixStore`): the cache's first
-        ``reused + prompt bucket`` slots and, per real row, its whole prompt and their slots."""
-        batch = call.batch
-        n, length = batch.num_real, batch.tokens.shape[1]
-        k, v = prompt_slots(state.cache.k, state.cache.v, length=reused + length)
-        slot_of = []
-        for r in range(n):
-            p = 0 if match is None else int(match.lengths[r])
-            slot_of.append(np.concatenate([np.arange(reused - p, reused),
-                                           np.flatnonzero(batch.valid[r]) + reused]).astype(np.int32))
-        return StoredPrompts(k=k, v=v, tokens=[np.asarray(p, np.int64) for p in prompts],
-                             agents=np.asarray(agents, np.int64), slot_of=slot_of)
+    def _length_bucket(self, n: int) -> int:
+        """The prompt length bucket of ``n`` tokens (as :func:`buckets.pad_prompts` pads them)."""
+        if self.fine_above is None:
+            return buckets.length_bucket(n, minimum=self.min_prompt_bucket, maximum=self.max_prompt_len)
+        return buckets.prompt_bucket(n, minimum=self.min_prompt_bucket, maximum=self.max_prompt_len,
+                                     fine_above=self.fine_above)
 
     def _decode_phases(self, params, lora, state: SamplerState, length: int, phases: tuple[int, ...],
                        limit: int, top_k_max: int, use_top_p: bool, weight_bytes: int = 0) -> SamplerState:

@@ -233,6 +233,8 @@ class TeamLearner:
         metrics["perf/tokens/update/valid"] = pstats["valid_tokens"]
         metrics["perf/tokens/update/unique"] = pstats.get("unique_tokens", pstats["valid_tokens"])
         metrics["perf/tokens/update/computed"] = pstats["computed_tokens"]
+        # prompt tokens whose K/V the sampler copied from an earlier call (rollout.reuse_prefix)
+        metrics["perf/tokens/rollout/prefill_reused"] = sampler_totals.prefill_reused
         for name, slots in packing.layout_costs(np.asarray(traj.ctx_valid), np.asarray(traj.act_valid)).items():
             metrics[f"perf/tokens/update/computed_if_{name}"] = slots * self.update_cfg.ppo.epochs
         valid = metrics["perf/tokens/update/valid"] + metrics["perf/tokens/prepare/valid"]
@@ -251,7 +253,7 @@ class TeamLearner:
             self.cfg, jax.tree.leaves(self.base)[0].dtype, step_s=timings["timing_s/step"],
             update_s=timings["timing_s/update"],
             context_mean=float(np.asarray(traj.ctx_valid).sum(-1)[played].mean()) if played.any() else 0.0,
-            rollout_tokens=ctx_tok + gen_tok, rollout_head_tokens=gen_tok,
+            rollout_tokens=ctx_tok - sampler_totals.prefill_reused + gen_tok, rollout_head_tokens=gen_tok,
             prepare_tokens=metrics["perf/tokens/prepare/unique"],
             prepare_head_tokens=0 if self.adv_cfg.ppo.logp_old == "sampler" else gen_tok,
             update_tokens=metrics["perf/tokens/update/unique"], update_head_tokens=gen_tok * self.update_cfg.ppo.epochs,
