@@ -118,5 +118,34 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, scale: float, per_row: 
         y = jnp.einsum("btd,bdr->btr", xf, a)
         y = jnp.einsum("btr,bro->bto", y, b)
     else:
-        y = (xf @ a) @ b
+        y = shared_delta(xf, a, b)
     return (scale * y).astype(x.dtype)
+
+
+@jax.custom_vjp
+def shared_delta(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """``(x A) B`` for one adapter: x ``[..., d_in]``, a ``[d_in, r]``, b ``[r, d_out]``.
+
+    Its gradient writes the adapters' contractions over the tokens as ``[r, tokens] @ [tokens, d]``
+    products with the small factor transposed. Left to autodiff, XLA:CPU computed
+    ``dB = (x A)ᵀ dy`` with ``dy`` laid out transposed, a strided copy of the ``[tokens, d_out]``
+    gradient per layer (SmolLM2-135M, 6,016 tokens: 54 ms for q_proj, ~4 % of the update)."""
+    return (x @ a) @ b
+
+
+def _shared_delta_fwd(x, a, b):
+    u = x @ a
+    return u @ b, (x, a, b, u)
+
+
+def _shared_delta_bwd(res, dy):
+    x, a, b, u = res
+    rows = lambda t: t.reshape(-1, t.shape[-1])
+    g = dy @ b.T                                                      # [..., r]
+    # the barrier keeps the [r, tokens] transposes (r columns: cheap) from being folded back
+    # into the dots' dimension numbers
+    u_t, g_t = jax.lax.optimization_barrier((rows(u).T, rows(g).T))
+    return g @ a.T, (g_t @ rows(x)).T, u_t @ rows(dy)
+
+
+shared_delta.defvjp(_shared_delta_fwd, _shared_delta_bwd)
