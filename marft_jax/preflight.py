@@ -293,12 +293,44 @@ def sampler_programs(run: RunModel, lrn, *, batch: int, sampling, label: str = "
                       args, kwargs, mesh)
         if not phases:
             continue
+        if not label and run.config.rollout.reuse_prefix and length >= 2 * sampler.min_prompt_bucket:
+            yield _prefix_prefill(run, lrn, batch=batch, length=length, config=config)
         first = sampler_lib.prefill.trace(*args, **dict(kwargs, cfg=_shape_model(model))).out_info
         for bound in bounds:
             state = _decode_state(first, run, length + bound)
             yield Program(f"{label}decode", f"{b} rows, {length} + {bound} slots",
                           "rollout.max_new_tokens, rollout.context_window", sampler_lib.decode,
                           (run.base, run.state.lora, state, jnp.int32(-1)), static, mesh)
+
+
+def _prefix_prefill(run: RunModel, lrn, *, batch: int, length: int, config) -> "Program":
+    """The rollout's prefill after a reused prompt prefix (``rollout.reuse_prefix``) whose whole
+    prompts fill the ``length`` bucket: half of it reused, the rest prefilled, the cache then
+    compacted to ``length`` slots (:mod:`marft_jax.sampling.prefix_reuse`)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from marft_jax.sampling import sampler as sampler_lib
+    from marft_jax.sampling.prefix_reuse import PrefixKV
+
+    sampler, model, placement = lrn.sampler, run.model, run.placement
+    width = max(len(layer) for layer in lrn.team.topology.layers)
+    reused = sampler.length_bucket(length // 2)
+    call = sampler.prefill_call([[1] * (length - length // 2)] * batch, key=jax.random.key(0), config=config,
+                                lora=run.state.lora, agent=0 if width == 1 else [0] * batch,
+                                policy_temperature=run.config.rollout.temperature, whole_len=length,
+                                rows=lambda x: _rows_struct(placement, np.asarray(x), 0))
+    b, rest = call.batch.tokens.shape
+    kv = jax.ShapeDtypeStruct((model.num_layers, b, model.num_kv_heads, reused, model.head_dim),
+                              run.base["embed"].dtype)
+    prefix = PrefixKV(k=_rows_struct(placement, kv, 1), v=_rows_struct(placement, kv, 1),
+                      valid=_rows_struct(placement, jax.ShapeDtypeStruct((b, reused), jnp.bool_), 0),
+                      lengths=_rows_struct(placement, jax.ShapeDtypeStruct((b,), jnp.int32), 0))
+    return Program("prefill after prefix", f"{b} x {reused} reused + {rest} tokens -> {length}",
+                   "rollout.context_window, rollout.reuse_prefix", sampler_lib.prefill,
+                   (run.base, run.state.lora) + call.args, dict(call.kwargs, prefix=prefix, whole_len=length),
+                   placement.mesh)
 
 
 def _shape_model(model):

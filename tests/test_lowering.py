@@ -3,7 +3,7 @@ meshes of 4 and 8 simulated devices, without an accelerator (issue 37).
 
 The cases (tests/lowering_cases.py, through :mod:`marft_jax.preflight`): a tiny model at a real
 run's lengths (prompt buckets 16, 64 and 640; packed rows of 160, 640 and an odd 97 slots; a
-planner-chosen shape), prefill and every decode phase, the feature + backup program, the
+planner-chosen shape), prefill, the prefill after a reused prompt prefix and every decode phase, the feature + backup program, the
 log-prob recompute, the PPO update with its gradient, the concurrent agents' ``vmap`` and
 evaluation, with ``model.attention=auto`` and each other implementation of the platform
 (cuda: cudnn, pallas, xla; tpu: splash, pallas, xla). TPU programs are exported with
@@ -73,7 +73,7 @@ def test_the_cases_cover_a_run(results):
             assert {"rows of 160", "rows of 97"} | ({"rows of 640"} if auto else set()) <= grads, (platform, kernel)
             assert any(c["program"] == "update (concurrent agents)" for c in mine), (platform, kernel)
         auto = {c["program"] for c in cases if c["auto"]}
-        assert {"decode", "eval prefill", "eval decode"} <= auto, (devices, auto)
+        assert {"decode", "prefill after prefix", "eval prefill", "eval decode"} <= auto, (devices, auto)
         for platform in ("cuda", "tpu"):       # the critic-free estimator's run: backup, no feature pass
             group = [c for c in cases if c["platform"] == platform and c["estimator"] == "group"]
             programs = {c["program"] for c in group}

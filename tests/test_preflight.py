@@ -85,7 +85,7 @@ def test_paper_preset_at_real_shapes_lowers_for_cuda(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "from marft_jax.models.known_configs" in out and "attention cudnn" in out and "bfloat16" in out
-    lines = [x for x in out.splitlines() if x.startswith("ok   prefill")]
+    lines = [x for x in out.splitlines() if x.startswith("ok   prefill ") and "after prefix" not in x]
     assert [x.split()[4] for x in lines] == ["16", "32", "64", "128", "256", "384", "512", "640", "768", "896",
                                              "1024", "1280", "1536", "1792", "2048"]
     assert all("cudnn" in x for x in lines) and "all ok: 15 of 15" in out
@@ -100,7 +100,11 @@ def test_tpu_pod_check_reruns_itself_with_eight_devices(tmp_path, monkeypatch, c
     out = capfd.readouterr().out
     assert rc == 0, out
     assert "tpu x 8 (mesh {'data': 8, 'fsdp': 1, 'tensor': 1})" in out and "attention splash" in out
-    assert [x.split()[4] for x in out.splitlines() if x.startswith("ok   prefill")] == ["16", "32", "64", "128", "256"]
+    whole = [x for x in out.splitlines() if x.startswith("ok   prefill ") and "after prefix" not in x]
+    assert [x.split()[4] for x in whole] == ["16", "32", "64", "128", "256"]
+    # rollout.reuse_prefix: the prefill after a reused half of each bucket from 32 tokens on
+    assert [x.split("->")[1].split()[0] for x in out.splitlines() if x.startswith("ok   prefill after prefix")] == [
+        "32", "64", "128", "256"]
     assert sum(x.startswith("ok   decode") for x in out.splitlines()) >= 5 and "all ok" in out
 
 

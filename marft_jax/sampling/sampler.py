@@ -790,7 +790,7 @@ class Sampler:
         match = prefix.match(prompts, agents) if prefix is not None else None
         whole, whole_len = prompts, None
         if match is not None:
-            whole_len = self._length_bucket(max(len(p) for p in prompts))
+            whole_len = self.length_bucket(max(len(p) for p in prompts))
             prompts = [p[int(m):] for p, m in zip(prompts, match.lengths)]
         call = self.prefill_call(prompts, key=key, config=config, lora=lora, agent=agent, stop_ids=stop_ids,
                                  budget=budget, policy_temperature=policy_temperature, whole_len=whole_len)
@@ -806,7 +806,7 @@ class Sampler:
             kwargs = call.kwargs
             if match is not None:
                 entry = prefix.entries[prefix.key(agents)]
-                plan = prefix_layout(match, entry, b, self._length_bucket(int(match.lengths.max())))
+                plan = prefix_layout(match, entry, b, self.length_bucket(int(match.lengths.max())))
                 kwargs = dict(kwargs, prefix=gather_prefix(entry.k, entry.v, *map(self._rows, plan)),
                               whole_len=whole_len)
                 prefix.reused_tokens += match.reused
@@ -833,7 +833,7 @@ class Sampler:
                             finished=res.finished[:n], steps=int(res.steps),
                             policy_logps=res.policy_logps[:n], entropies=res.entropies[:n])
 
-    def _length_bucket(self, n: int) -> int:
+    def length_bucket(self, n: int) -> int:
         """The prompt length bucket of ``n`` tokens (as :func:`buckets.pad_prompts` pads them)."""
         if self.fine_above is None:
             return buckets.length_bucket(n, minimum=self.min_prompt_bucket, maximum=self.max_prompt_len)
