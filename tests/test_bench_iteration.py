@@ -80,3 +80,32 @@ def test_bench_iteration_tiny_end_to_end():
     assert ref["stages"]["rollout"]["s"] == min(ref["rollout_s_by_omp_wait_policy"].values())
     # per-agent padding: one context length per agent in each update minibatch
     assert all(len(u["L"]) == 2 for u in ref["update_shapes"])
+
+
+def test_workload_problems_filtered_by_the_reasoner_context_length():
+    """The ``long`` workload keeps the problems whose agent-0 context is in its token range
+    (counted with the run's own prompt builder), in the task's seeded order."""
+    import types
+
+    from marft_jax.bench import iteration as bench
+    from marft_jax.config import RolloutConfig
+    from marft_jax.envs.task import Problem
+    from marft_jax.rl.rollout import Team
+
+    class Chars:               # one token per character
+        def encode_text(self, text):
+            return list(text)
+
+    problems = [Problem(f"p{i}", "x" * n) for i, n in enumerate((5, 200, 40, 300, 60))]
+    run = types.SimpleNamespace(
+        learner=types.SimpleNamespace(rollout_cfg=RolloutConfig(prompt_format="g1_raw")),
+        team=Team(roles=("reasoner", "actor"), system_prompts=("S", "S"), answer_agent=1), tokenizer=Chars(),
+        task=types.SimpleNamespace(problems=lambda split, seed: iter(problems)),
+        config=types.SimpleNamespace(train=types.SimpleNamespace(seed=0)))
+    from marft_jax.rl import rollout as rollout_lib
+
+    overhead = len(rollout_lib._context(run.team, Problem("e", ""), 0, [], {}, run.learner.rollout_cfg, run.tokenizer))
+    wl = bench.Workload("long", (), agent0_context=(overhead + 30, overhead + 250))
+    assert [p.uid for p in bench.select_problems(run, wl, 3)] == ["p1", "p2", "p4"]
+    with pytest.raises(ValueError, match="only 3 problems fit"):
+        bench.select_problems(run, wl, 4)

@@ -170,7 +170,7 @@ def select_problems(run, wl: Workload, rows: int) -> list:
     out = []
     for p in run.task.problems("train", run.config.train.seed):
         if wl.agent0_context is not None:
-            n = len(rollout_lib._context(run.team, p, 0, [], [], cfg, run.tokenizer))
+            n = len(rollout_lib._context(run.team, p, 0, [], {}, cfg, run.tokenizer))
             if not wl.agent0_context[0] <= n <= wl.agent0_context[1]:
                 continue
         out.append(p)
