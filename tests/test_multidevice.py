@@ -480,7 +480,7 @@ class _FakeSampler:
     def __init__(self):
         self.calls = []
 
-    def __call__(self, base, prompts, *, key, config, lora, agent, budget, policy_temperature):
+    def __call__(self, base, prompts, *, key, config, lora, agent, budget, policy_temperature, prefix=None):
         import jax
 
         from marft_jax.sampling.sampler import SampleResult
