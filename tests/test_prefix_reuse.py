@@ -86,8 +86,7 @@ def test_store_matches_per_agent_and_respects_the_minimum():
     nothing under ``min_tokens``; another agent set has its own entry."""
     store = prefix_reuse.PrefixStore(min_tokens=4)
     a, b = np.arange(10), np.arange(100, 110)
-    stored = prefix_reuse.StoredPrompts(k=None, v=None, tokens=[a, b], agents=np.array([0, 1]),
-                                        slot_of=[np.arange(10), np.arange(10)])
+    stored = prefix_reuse.StoredPrompts(k=None, v=None, tokens=[a, b], agents=np.array([0, 1]))
     store.put([0, 1], stored)
     m = store.match([list(range(10)), list(range(100, 103)) + [7] * 5, list(range(100, 110)) + [1]], [0, 1, 0])
     np.testing.assert_array_equal(m.lengths, [9, 0, 0])     # whole prompt: all but the last token; 3 < 4; agent 0

@@ -46,6 +46,7 @@ import jax
 import numpy as np
 
 from marft_jax.models.decoder import PackedRows
+from marft_jax.sampling.prefix_reuse import common_prefix
 
 ROW_ALIGN = 32  # packed row lengths are multiples of this
 # attention_cost_of counts FLOPs; measured on XLA:CPU (SmolLM2-135M, rows of 448 vs 1,344 slots),
@@ -373,13 +374,6 @@ class Unit:
     positions: np.ndarray
     members: tuple[int, ...]
     slots: tuple[np.ndarray, ...]
-
-
-def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two 1-D token arrays."""
-    n = min(len(a), len(b))
-    diff = np.flatnonzero(a[:n] != b[:n])
-    return int(diff[0]) if diff.size else n
 
 
 def _unit(seqs: Sequence[np.ndarray], members: Sequence[int], shared: Sequence[int]) -> Unit:

@@ -36,16 +36,17 @@ def length_bucket(n: int, *, minimum: int = 16, maximum: int | None = None) -> i
 
 
 def prompt_bucket(n: int, *, minimum: int = 16, maximum: int | None = None,
-                  fine_above: int = 256) -> int:
+                  fine_above: int | None = 256) -> int:
     """A length bucket that is a power of two up to ``fine_above``, finer above it.
 
     Above ``fine_above`` (a power of two) the bucket is the next multiple of
     ``max(128, 2^floor(log2(n - 1)) / 4)``: 384, 512, 640, 768, 896, 1024, 1280, 1536, ... (at
     most three extra buckets per octave, at most 25 % padding above 512 instead of up to 100 %).
-    Capped at ``maximum`` like :func:`length_bucket`, which it equals for ``n <= fine_above``.
+    Capped at ``maximum`` like :func:`length_bucket`, which it equals for ``n <= fine_above``
+    (and everywhere when ``fine_above`` is None).
     """
     b = length_bucket(n, minimum=minimum, maximum=maximum)
-    if n <= fine_above or b <= fine_above:
+    if fine_above is None or n <= fine_above or b <= fine_above:
         return b
     granule = max(128, (1 << (int(n) - 1).bit_length()) // 8)   # a quarter of the octave's base
     fine = -(-int(n) // granule) * granule
@@ -126,10 +127,7 @@ def pad_prompts(
     lens = [len(s) for s in seqs]
     if min(lens) < 1:
         raise ValueError(f"prompt {lens.index(min(lens))} is empty")
-    if fine_above is None:
-        length = length_bucket(max(lens), minimum=min_length, maximum=max_length)
-    else:
-        length = prompt_bucket(max(lens), minimum=min_length, maximum=max_length, fine_above=fine_above)
+    length = prompt_bucket(max(lens), minimum=min_length, maximum=max_length, fine_above=fine_above)
     batch = batch_bucket(len(seqs), minimum=min_batch, maximum=max_batch)
     tokens, valid = left_pad(seqs, length, pad_id)
     return pad_batch(tokens, valid, batch, pad_id)

@@ -49,14 +49,17 @@ class PrefixKV:
 @dataclasses.dataclass
 class StoredPrompts:
     """One call's prompt K/V: ``k``, ``v`` ``[layer, b, kv_heads, slots, head_dim]`` (device),
-    and per real row its ``tokens``, its ``agent`` and ``slot_of`` (``[len(tokens)]``: the
-    cache slot holding each token, ascending)."""
+    each row's whole prompt right-aligned in the ``slots`` (as every prefill leaves it), and per
+    real row its ``tokens`` and its ``agent``."""
 
     k: jax.Array
     v: jax.Array
     tokens: list[np.ndarray]
     agents: np.ndarray
-    slot_of: list[np.ndarray]
+
+    def slot_of(self, row: int, j: int | np.ndarray) -> int | np.ndarray:
+        """The slot holding token ``j`` of ``row``'s prompt."""
+        return self.k.shape[3] - self.tokens[row].size + j
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +76,8 @@ class Match:
 
 
 def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
-    """Length of the longest common prefix of two int arrays."""
+    """Length of the longest common prefix of two 1-D token arrays (also the shared prefixes of
+    packed rows, :func:`marft_jax.rl.packing.share_prefixes`)."""
     m = min(a.size, b.size)
     diff = np.flatnonzero(a[:m] != b[:m])
     return int(diff[0]) if diff.size else m
@@ -120,7 +124,7 @@ def prefix_layout(match: Match, entry: StoredPrompts, batch: int, bucket: int) -
     """Host-side gather plan of ``match`` into ``batch`` rows of ``bucket`` prefix slots:
     ``(rows [batch] int32, slots [batch, bucket] int32, valid [batch, bucket] bool,
     lengths [batch] int32)``; row ``r``'s prefix token ``j`` goes to slot
-    ``bucket - lengths[r] + j`` and is read from ``entry``'s slot ``slot_of[j]``."""
+    ``bucket - lengths[r] + j`` and is read from ``entry``'s slot ``slot_of(source row, j)``."""
     rows = np.zeros(batch, np.int32)
     slots = np.zeros((batch, bucket), np.int32)
     valid = np.zeros((batch, bucket), bool)
@@ -130,7 +134,7 @@ def prefix_layout(match: Match, entry: StoredPrompts, batch: int, bucket: int) -
     for r in range(n):
         p = int(match.lengths[r])
         if p:
-            slots[r, bucket - p:] = entry.slot_of[int(match.source_rows[r])][:p]
+            slots[r, bucket - p:] = entry.slot_of(int(match.source_rows[r]), np.arange(p))
             valid[r, bucket - p:] = True
     return rows, slots, valid, lengths
 

@@ -814,9 +814,8 @@ class Sampler:
             state = prefill(params, lora, *call.args, **kwargs)
             if prefix is not None:       # each row's whole prompt, right-aligned in the first cache_len slots
                 k, v = prompt_slots(state.cache.k, state.cache.v, length=cache_len)
-                prefix.put(agents, StoredPrompts(
-                    k=k, v=v, tokens=[np.asarray(p, np.int64) for p in whole], agents=np.asarray(agents, np.int64),
-                    slot_of=[np.arange(cache_len - len(p), cache_len, dtype=np.int32) for p in whole]))
+                prefix.put(agents, StoredPrompts(k=k, v=v, tokens=[np.asarray(p, np.int64) for p in whole],
+                                                 agents=np.asarray(agents, np.int64)))
             jax.block_until_ready(state.last)
         t1 = time.perf_counter()
         weight_bytes = decode_weight_bytes(params, lora, self.cfg)
@@ -835,8 +834,6 @@ class Sampler:
 
     def length_bucket(self, n: int) -> int:
         """The prompt length bucket of ``n`` tokens (as :func:`buckets.pad_prompts` pads them)."""
-        if self.fine_above is None:
-            return buckets.length_bucket(n, minimum=self.min_prompt_bucket, maximum=self.max_prompt_len)
         return buckets.prompt_bucket(n, minimum=self.min_prompt_bucket, maximum=self.max_prompt_len,
                                      fine_above=self.fine_above)
 
