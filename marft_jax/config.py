@@ -39,6 +39,7 @@ class ModelSection:
     remat: Optional[str] = None         # none | full | dots | dots_no_batch (true/false = full/none); null = auto
     attention: str = "auto"             # auto | xla | cudnn | pallas | splash (marft_jax.models.attention)
     decode_attention: str = "auto"      # auto | xla | native: attention over the KV cache (marft_jax.models.cache_attention)
+    causal_attention: str = "auto"      # auto | xla | native: whole-row attention under attention xla (marft_jax.models.causal_attention)
     decode_matmul: str = "auto"         # auto | xla | native: decode steps' projections (marft_jax.models.layer_matmul)
     decode_weights: str = "auto"        # auto | dequantized | native: decode steps read a GGUF file's blocks (marft_jax.models.quant_matmul)
 
@@ -299,6 +300,7 @@ _CHOICES = {
     "model.dtype": ("auto", "float32", "bfloat16"),
     "model.attention": ("auto", "xla", "cudnn", "pallas", "splash"),
     "model.decode_attention": ("auto", "xla", "native"),
+    "model.causal_attention": ("auto", "xla", "native"),
     "model.decode_matmul": ("auto", "xla", "native"),
     "model.decode_weights": ("auto", "dequantized", "native"),
     "task.name": ("arithmetic", "math", "gsm8k", "math500", "aime", "humaneval", "code_jsonl", "generic"),

@@ -167,11 +167,12 @@ def platform_dtype(cfg, platform: str):
 
 
 def resolve_model(cfg, model, platform: str, devices: int, attention: str | None = None):
-    """``model`` with ``model.attention`` (or ``attention``), ``model.decode_attention`` and
-    ``model.decode_matmul`` resolved for ``platform`` as a run there resolves them."""
+    """``model`` with ``model.attention`` (or ``attention``), ``model.decode_attention``,
+    ``model.decode_matmul`` and ``model.causal_attention`` resolved for ``platform`` as a run
+    there resolves them."""
     from marft_jax.config import ConfigError
     from marft_jax.models import attention as attention_lib
-    from marft_jax.models import cache_attention, layer_matmul
+    from marft_jax.models import cache_attention, causal_attention, layer_matmul
 
     dtype = platform_dtype(cfg, platform)
     try:
@@ -180,9 +181,12 @@ def resolve_model(cfg, model, platform: str, devices: int, attention: str | None
                                          devices=devices)
         matmul = layer_matmul.resolve(cfg.model.decode_matmul, backend=BACKEND[platform], dtype=dtype,
                                       devices=devices)
+        causal = causal_attention.resolve(cfg.model.causal_attention, backend=BACKEND[platform], dtype=dtype,
+                                          devices=devices)
     except ValueError as e:
         raise ConfigError(str(e)) from None
-    return dataclasses.replace(model, attention=impl, decode_attention=decode, decode_matmul=matmul)
+    return dataclasses.replace(model, attention=impl, decode_attention=decode, decode_matmul=matmul,
+                               causal_attention=causal)
 
 
 def build(cfg, model, devices: int, platform: str) -> RunModel:

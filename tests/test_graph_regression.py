@@ -309,12 +309,13 @@ def _train(model_dir, out_dir, name: str, overrides: dict, *, legacy: bool):
     from marft_jax.train.trainer import ProblemStream
     from tests.tiny_run import tiny_overrides
 
-    # decode_attention=xla, decode_matmul=xla: the pins must not depend on whether the native decode
-    # kernels build here (their float rounding differs, and a tiny random model's samples follow it);
+    # decode_attention=xla, decode_matmul=xla, causal_attention=xla: the pins must not depend on whether
+    # the native kernels build here (their float rounding differs, and a tiny random model's samples follow it);
     # reuse_prefix=false likewise (reused K/V round differently from recomputed ones:
     # tests/test_prefix_reuse.py holds them within 1e-5)
     extra = {"rollout.horizon": 2, "rollout.rows": 3, "algo.reward_bias": -0.5, "ppo.num_minibatches": 1,
              "train.iterations": 2, "model.decode_attention": "xla", "model.decode_matmul": "xla",
+             "model.causal_attention": "xla",
              "rollout.reuse_prefix": False, **overrides}
     cfg = load_config("demo", tiny_overrides(model_dir, out_dir, name, **extra))
     run = build_run(cfg)

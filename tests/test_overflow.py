@@ -143,7 +143,8 @@ def test_a_trio_marft_t_run_whose_contexts_overflow_every_episode_finishes(tiny_
     over = {"team.profile": "math/trio-short", "team.num_agents": 3, "algo.level": "token",
             "rollout.horizon": 3, "rollout.max_new_tokens": 32, "rollout.context_window": 192,
             "train.iterations": 2, "train.save_every": 0, "train.eval_before": "false", "train.eval_problems": 1,
-            "model.decode_attention": "xla", "model.decode_matmul": "xla"}
+            "model.decode_attention": "xla", "model.decode_matmul": "xla",
+            "model.causal_attention": "xla"}
     out = train(load_config("demo", tiny_overrides(tiny_model_dir, tmp_path, "trio", **over)))
     assert out["iterations"] == 2 and "accuracy_after" in out
     # every prompt of steps 1 and 2 (2 rows x 3 agents x 2 steps) dropped turns in iteration 1

@@ -95,6 +95,9 @@ class ModelConfig:
         or ``native`` (:mod:`marft_jax.models.layer_matmul`, one CPU device, float32).
       decode_attention: attention over the KV cache (decode and prefills into a filled cache):
         ``xla`` or ``native`` (:mod:`marft_jax.models.cache_attention`, one CPU device, float32).
+      causal_attention: under ``attention`` ``xla``, attention within whole rows (training,
+        critic and prefill forwards without cached keys): ``xla`` (blocked batched matmuls) or
+        ``native`` (:mod:`marft_jax.models.causal_attention`, one CPU device, float32).
       decode_weights: where cached forwards of at most 64 rows and their LM head read the
         weights a GGUF file quantized: ``dequantized`` (the float parameters) or ``native``
         (its Q4_0 / Q4_1 / Q8_0 blocks, :mod:`marft_jax.models.quant_matmul`, one CPU device,
@@ -121,6 +124,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     attention: str = "xla"   # resolved model.attention (marft_jax.models.attention), never "auto"
     decode_attention: str = "xla"   # resolved model.decode_attention: xla | native (models.cache_attention)
+    causal_attention: str = "xla"   # resolved model.causal_attention: xla | native (models.causal_attention)
     decode_matmul: str = "xla"      # resolved model.decode_matmul: xla | native (models.layer_matmul)
     decode_weights: str = "dequantized"   # resolved model.decode_weights: dequantized | native (models.quant_matmul)
 
@@ -138,6 +142,8 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})")
         if self.decode_attention not in ("xla", "native"):
             raise ValueError(f"ModelConfig.decode_attention must be 'xla' or 'native' (resolved), got {self.decode_attention!r}")
+        if self.causal_attention not in ("xla", "native"):
+            raise ValueError(f"ModelConfig.causal_attention must be 'xla' or 'native' (resolved), got {self.causal_attention!r}")
         if self.decode_matmul not in ("xla", "native"):
             raise ValueError(f"ModelConfig.decode_matmul must be 'xla' or 'native' (resolved), got {self.decode_matmul!r}")
         if self.decode_weights not in ("dequantized", "native"):

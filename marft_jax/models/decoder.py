@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marft_jax.models import attention as attention_lib
-from marft_jax.models import cache_attention, layer_matmul, quant_matmul
+from marft_jax.models import cache_attention, causal_attention, layer_matmul, quant_matmul
 from marft_jax.models import lora as lora_lib
 from marft_jax.models import sharding
 from marft_jax.models.config import ModelConfig
@@ -267,6 +267,8 @@ def _block(cfg: ModelConfig, x, p, la, lb, scale, per_row, positions, cache_in, 
     elif cfg.attention != "xla" and segment_ids is not None:
         o = attention_lib.segment_attention(q, k.astype(q.dtype), v.astype(q.dtype), segment_ids, impl=cfg.attention,
                                             mask=mask_fn if branched else None)
+    elif cfg.causal_attention == "native" and causal_attention.supports(cfg.head_dim):
+        o = causal_attention.attend(q, k, v, mask_fn)                # mask_fn is causal
     else:
         o = attention_lib.xla_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask_fn, causal=True)  # mask_fn is causal
     o = o.reshape(b, t, cfg.q_size)

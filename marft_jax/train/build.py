@@ -17,7 +17,7 @@ from marft_jax.envs.chat import HFChatTokenizer
 from marft_jax.envs.scoring_pool import ScoringPool
 from marft_jax.envs.task import Task
 from marft_jax.models import attention as attention_lib
-from marft_jax.models import cache_attention, layer_matmul, quant_matmul
+from marft_jax.models import cache_attention, causal_attention, layer_matmul, quant_matmul
 from marft_jax.models import lora, registry, sharding
 from marft_jax.models.placement import Placement
 from marft_jax.rl import advantages, topology
@@ -204,6 +204,7 @@ def build_run(cfg: Config) -> Run:
         raise ConfigError(str(e)) from None
     try:
         decode_impl = cache_attention.resolve(cfg.model.decode_attention, dtype=weights_dtype)
+        causal_impl = causal_attention.resolve(cfg.model.causal_attention, dtype=weights_dtype)
         matmul_impl = layer_matmul.resolve(cfg.model.decode_matmul, dtype=weights_dtype)
     except ValueError as e:
         raise ConfigError(str(e)) from None
@@ -230,6 +231,7 @@ def build_run(cfg: Config) -> Run:
         raise ConfigError(f"{e} ({model.source})") from None
     model = dataclasses.replace(model, cfg=dataclasses.replace(model.cfg, attention=impl,
                                                                decode_attention=decode_impl,
+                                                               causal_attention=causal_impl,
                                                                decode_matmul=matmul_impl,
                                                                decode_weights=weights_impl),
                                 quantized=model.quantized if weights_impl == "native" else None)

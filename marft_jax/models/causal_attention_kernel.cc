@@ -1,0 +1,483 @@
+// Causal attention over whole rows (training passes, critic features, prefills into an empty
+// cache) on the CPU: forward and backward as two XLA FFI handlers.
+//
+// XLA:CPU runs the blocked causal attention of attention.py as ~25 small dots per layer, each
+// against a copied slice of the keys, with the mask, max, exponential and sums as separate
+// single-threaded passes between them; at SmolLM2's shape over 4 x 1,504-token rows that made
+// attention half of the update's thread time for a fifth of its FLOPs. Here each task (row,
+// kv head, query head of the group[, chunk of queries]) walks its queries four at a time:
+// scores against the keys up to the block's end (register-blocked: 4 queries x 64 keys per
+// step over the head width, keys read transposed [D, S]), the masked softmax, then the
+// weighted values (4 queries x 64 value columns per step). Key blocks before the first key any
+// of the four queries may see are skipped (a packed row's later segments never touch the
+// earlier ones' keys). The backward is the flash-attention one: recompute the probabilities
+// from the saved log-sum-exp, dS = P (dP - rowsum(dO O)); dQ = dS K, and each task
+// accumulates dK = dS^T Q and dV = P^T dO for its query head, which the caller sums over the
+// group (no two tasks write the same memory). Tasks are claimed from an atomic counter by the
+// caller and XLA's intra-op threads.
+//
+// Shapes (the caller pads T to a multiple of 16 and scales q by 1/sqrt(D)):
+//   q, o, do, dq [B, KV, G, T, D]; k, v [B, KV, T, D]; kt, vt [B, KV, D, T] (transposed);
+//   mask [B, T, T] bool (query t may attend to key j; never j > t); lse [B, KV, G, T];
+//   dk_part, dv_part [B, KV, G, T, D].
+// D must be a multiple of 16. Fully masked query rows get o = 0, lse = 0 and no gradient.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+#ifndef MARFT_CAUSAL_ATTENTION_BODY
+#define MARFT_CAUSAL_ATTENTION_BODY
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+constexpr int kR = 4;              // queries per block
+constexpr float kMasked = -1e30f;  // the score of a masked key (its exponential is 0)
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef int8_t v16b __attribute__((vector_size(16), aligned(1)));
+struct Dims {
+  int64_t B, KV, G, T, D;
+};
+
+}  // namespace
+
+// The kernel body below, compiled three times: for AVX-512, for AVX2 + FMA and portably (the
+// file includes itself; the vector helpers must be compiled for the target they run on, so
+// they live inside each target region rather than in target_clones functions).
+#pragma GCC push_options
+#pragma GCC target("avx512f,fma")
+namespace isa_avx512 {
+#include "causal_attention_kernel.cc"  // this file: the body below
+}  // namespace isa_avx512
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace isa_avx2 {
+#include "causal_attention_kernel.cc"  // this file: the body below
+}  // namespace isa_avx2
+#pragma GCC pop_options
+namespace isa_portable {
+#include "causal_attention_kernel.cc"  // this file: the body below
+}  // namespace isa_portable
+
+namespace {
+
+// The body compiled for the best instruction set this CPU has.
+struct Isa {
+  decltype(&isa_portable::ForwardTask) forward;
+  decltype(&isa_portable::BackwardTask) backward;
+};
+
+// $MARFT_JAX_CAUSAL_ATTENTION_ISA = avx2 | portable caps the choice (tests run every body).
+const Isa& Chosen() {
+  static const Isa isa = [] {
+    const char* cap = std::getenv("MARFT_JAX_CAUSAL_ATTENTION_ISA");
+    const std::string limit = cap ? cap : "";
+    const bool avx512 = limit.empty() && __builtin_cpu_supports("avx512f");
+    const bool avx2 = limit != "portable" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return avx512 ? Isa{&isa_avx512::ForwardTask, &isa_avx512::BackwardTask}
+           : avx2 ? Isa{&isa_avx2::ForwardTask, &isa_avx2::BackwardTask}
+                  : Isa{&isa_portable::ForwardTask, &isa_portable::BackwardTask};
+  }();
+  return isa;
+}
+
+// Tasks claimed from an atomic counter by the caller and the pool's threads (the caller alone
+// can finish them all, so a busy pool never blocks it); the caller then waits for the claimed.
+template <typename Fn>
+void RunTasks(ffi::ThreadPool& pool, int64_t tasks, Fn fn) {
+  struct State {
+    std::atomic<int64_t> next{0};
+    std::atomic<int64_t> done{0};
+  };
+  auto st = std::make_shared<State>();
+  auto drain = [st, tasks, fn] {
+    for (int64_t i; (i = st->next.fetch_add(1, std::memory_order_relaxed)) < tasks;) {
+      fn(i);
+      st->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(std::max<int64_t>(pool.num_threads(), 0), tasks - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([drain] { drain(); });
+  drain();
+  while (st->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
+}
+
+ffi::Error CheckDims(const Dims& n, ffi::Span<const int64_t> kd, ffi::Span<const int64_t> md) {
+  if (n.T % 16 != 0 || n.D % 16 != 0)
+    return ffi::Error::InvalidArgument("causal_attention: T and D must be multiples of 16");
+  if (kd.size() != 4 || kd[0] != n.B || kd[1] != n.KV || md.size() != 3 || md[0] != n.B || md[1] != n.T ||
+      md[2] != n.T)
+    return ffi::Error::InvalidArgument("causal_attention: k [B, KV, T, D] or [B, KV, D, T], mask [B, T, T]");
+  return ffi::Error::Success();
+}
+
+constexpr int64_t kQueryChunk = 128;  // queries per forward task
+
+ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kt,
+                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> o,
+                       ffi::ResultBuffer<ffi::F32> lse) {
+  auto qd = q.dimensions();
+  if (qd.size() != 5) return ffi::Error::InvalidArgument("causal_attention: q must be [B, KV, G, T, D]");
+  const Dims n{qd[0], qd[1], qd[2], qd[3], qd[4]};
+  if (auto e = CheckDims(n, kt.dimensions(), mask.dimensions()); e.failure()) return e;
+  const int64_t chunks = (n.T + kQueryChunk - 1) / kQueryChunk;
+  const float* qp = q.typed_data();
+  const float* ktp = kt.typed_data();
+  const float* vp = v.typed_data();
+  const bool* mp = reinterpret_cast<const bool*>(mask.typed_data());
+  float* op = o->typed_data();
+  float* lp = lse->typed_data();
+  // later chunks first: they hold the most keys, so the tail of the queue is the short ones
+  const auto forward = Chosen().forward;
+  RunTasks(pool, n.B * n.KV * n.G * chunks, [n, chunks, qp, ktp, vp, mp, op, lp, forward](int64_t i) {
+    const int64_t c = chunks - 1 - i % chunks, rest = i / chunks;
+    const int64_t g = rest % n.G, h = (rest / n.G) % n.KV, b = rest / (n.G * n.KV);
+    forward(n, b, h, g, c * kQueryChunk, std::min(n.T, (c + 1) * kQueryChunk), qp, ktp, vp, mp, op, lp);
+  });
+  return ffi::Error::Success();
+}
+
+ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kt,
+                        ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> vt, ffi::Buffer<ffi::PRED> mask,
+                        ffi::Buffer<ffi::F32> o, ffi::Buffer<ffi::F32> lse, ffi::Buffer<ffi::F32> dout,
+                        ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dkp,
+                        ffi::ResultBuffer<ffi::F32> dvp) {
+  auto qd = q.dimensions();
+  if (qd.size() != 5) return ffi::Error::InvalidArgument("causal_attention: q must be [B, KV, G, T, D]");
+  const Dims n{qd[0], qd[1], qd[2], qd[3], qd[4]};
+  if (auto e = CheckDims(n, kt.dimensions(), mask.dimensions()); e.failure()) return e;
+  const float *qp = q.typed_data(), *ktp = kt.typed_data(), *kp = k.typed_data(), *vtp = vt.typed_data();
+  const float *opp = o.typed_data(), *lp = lse.typed_data(), *dop = dout.typed_data();
+  const bool* mp = reinterpret_cast<const bool*>(mask.typed_data());
+  float *dqp = dq->typed_data(), *dkpp = dkp->typed_data(), *dvpp = dvp->typed_data();
+  const auto backward = Chosen().backward;
+  RunTasks(pool, n.B * n.KV * n.G, [=](int64_t i) {
+    const int64_t g = i % n.G, h = (i / n.G) % n.KV, b = i / (n.G * n.KV);
+    backward(n, b, h, g, qp, ktp, kp, vtp, mp, opp, lp, dop, dqp, dkpp, dvpp);
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MarftCausalAttentionFwd, ForwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // q [B, KV, G, T, D], scaled
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // kt [B, KV, D, T]
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // v [B, KV, T, D]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()    // mask [B, T, T]
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // o [B, KV, G, T, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>());   // lse [B, KV, G, T]
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(MarftCausalAttentionBwd, BackwardImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // q [B, KV, G, T, D], scaled
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // kt [B, KV, D, T]
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // k [B, KV, T, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // vt [B, KV, D, T]
+                                  .Arg<ffi::Buffer<ffi::PRED>>()    // mask [B, T, T]
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // o [B, KV, G, T, D]
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // lse [B, KV, G, T]
+                                  .Arg<ffi::Buffer<ffi::F32>>()     // d_out [B, KV, G, T, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // dq [B, KV, G, T, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>()     // dk per query head [B, KV, G, T, D]
+                                  .Ret<ffi::Buffer<ffi::F32>>());   // dv per query head [B, KV, G, T, D]
+
+
+#else  // MARFT_CAUSAL_ATTENTION_BODY: the kernel body, once per instruction set
+
+__attribute__((always_inline)) inline v16 Load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+__attribute__((always_inline)) inline void Store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
+__attribute__((always_inline)) inline v16 Splat(float x) {
+  return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
+}
+
+// 16 mask bytes (bool) as lanes: -1 where true, 0 where false.
+__attribute__((always_inline)) inline v16i MaskLanes(const bool* m) {
+  return __builtin_convertvector(*reinterpret_cast<const v16b*>(m), v16i) != 0;
+}
+
+// exp(x) for x <= ~0 (a softmax's shifted scores): 2^n * 2^f with f in [-1/2, 1/2], 2^f by its
+// degree-6 Taylor polynomial (relative error < 2e-7); x below -87 gives ~0.
+__attribute__((always_inline)) inline v16 Exp(v16 x) {
+  const v16 lo = Splat(-87.f);
+  x = x < lo ? lo : x;
+  const v16 t = x * Splat(1.44269504088896341f);
+  // n = t rounded to the nearest integer (half away from zero; the conversion truncates)
+  const v16i ni = __builtin_convertvector(t + (t < Splat(0.f) ? Splat(-0.5f) : Splat(0.5f)), v16i);
+  const v16 f = (t - __builtin_convertvector(ni, v16)) * Splat(0.693147180559945309f);
+  v16 p = Splat(1.f / 720.f);
+  p = p * f + Splat(1.f / 120.f);
+  p = p * f + Splat(1.f / 24.f);
+  p = p * f + Splat(1.f / 6.f);
+  p = p * f + Splat(0.5f);
+  p = p * f + Splat(1.f);
+  p = p * f + Splat(1.f);
+  const v16i bits = (ni + 127) << 23;
+  return p * reinterpret_cast<const v16&>(bits);
+}
+
+__attribute__((always_inline)) inline float HorizontalMax(v16 x) {
+  float m = x[0];
+  for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
+  return m;
+}
+
+__attribute__((always_inline)) inline float HorizontalSum(v16 x) {
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += x[i];
+  return s;
+}
+
+
+// out[r][j - j0] = sum_d a[r][d] * bt[d][j] for the kR rows of a (stride D) and keys
+// j in [j0, j1) (j1 - j0 a multiple of 16); bt is [D, T]; out rows have stride T.
+__attribute__((always_inline)) inline void RowsByCols(const float* a, const float* bt, int64_t T, int64_t D, int64_t j0, int64_t j1, float* out) {
+  int64_t j = j0;
+  for (; j + 64 <= j1; j += 64) {
+    v16 c[kR][4] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const float* br = bt + d * T + j;
+      const v16 b0 = Load(br), b1 = Load(br + 16), b2 = Load(br + 32), b3 = Load(br + 48);
+#pragma GCC unroll 4
+      for (int r = 0; r < kR; ++r) {
+        const v16 x = Splat(a[r * D + d]);
+        c[r][0] += x * b0;
+        c[r][1] += x * b1;
+        c[r][2] += x * b2;
+        c[r][3] += x * b3;
+      }
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kR; ++r) {
+      float* o = out + r * T + (j - j0);
+      Store(o, c[r][0]);
+      Store(o + 16, c[r][1]);
+      Store(o + 32, c[r][2]);
+      Store(o + 48, c[r][3]);
+    }
+  }
+  for (; j < j1; j += 16) {
+    v16 c[kR] = {};
+    for (int64_t d = 0; d < D; ++d) {
+      const v16 b0 = Load(bt + d * T + j);
+#pragma GCC unroll 4
+      for (int r = 0; r < kR; ++r) c[r] += Splat(a[r * D + d]) * b0;
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kR; ++r) Store(out + r * T + (j - j0), c[r]);
+  }
+}
+
+// out[r][:] = sum_{j in [j0, j1)} w[r][j - j0] * m[j][:] for kR rows of weights (stride T) and
+// the rows of m ([T, D]); out rows have stride D.
+__attribute__((always_inline)) inline void WeightsByRows(const float* w, const float* m, int64_t T, int64_t D, int64_t j0, int64_t j1, float* out) {
+  for (int64_t c0 = 0; c0 < D; c0 += 64) {
+    const int nv = static_cast<int>(std::min<int64_t>(4, (D - c0) / 16));
+    v16 acc[kR][4] = {};
+    if (nv == 4) {
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* mr = m + j * D + c0;
+        const v16 m0 = Load(mr), m1 = Load(mr + 16), m2 = Load(mr + 32), m3 = Load(mr + 48);
+#pragma GCC unroll 4
+        for (int r = 0; r < kR; ++r) {
+          const v16 x = Splat(w[r * T + (j - j0)]);
+          acc[r][0] += x * m0;
+          acc[r][1] += x * m1;
+          acc[r][2] += x * m2;
+          acc[r][3] += x * m3;
+        }
+      }
+    } else {
+      for (int64_t j = j0; j < j1; ++j) {
+        const float* mr = m + j * D + c0;
+        for (int r = 0; r < kR; ++r) {
+          const v16 x = Splat(w[r * T + (j - j0)]);
+          for (int c = 0; c < nv; ++c) acc[r][c] += x * Load(mr + 16 * c);
+        }
+      }
+    }
+    for (int r = 0; r < kR; ++r)
+      for (int c = 0; c < nv; ++c) Store(out + r * D + c0 + 16 * c, acc[r][c]);
+  }
+}
+
+// acc[j][:] += sum_r w[r][j - j0] * x[r][:] for keys j in [j0, j1): the kR rows of x (stride
+// D), weights with stride T, acc [T, D].
+__attribute__((always_inline)) inline void AddOuter(const float* w, const float* x, int64_t T, int64_t D, int64_t j0, int64_t j1, float* acc) {
+  for (int64_t c0 = 0; c0 < D; c0 += 64) {
+    const int nv = static_cast<int>(std::min<int64_t>(4, (D - c0) / 16));
+    if (nv == 4) {
+      v16 xs[kR][4];
+#pragma GCC unroll 4
+      for (int r = 0; r < kR; ++r)
+        for (int c = 0; c < 4; ++c) xs[r][c] = Load(x + r * D + c0 + 16 * c);
+      for (int64_t j = j0; j < j1; ++j) {
+        float* ar = acc + j * D + c0;
+        v16 a0 = Load(ar), a1 = Load(ar + 16), a2 = Load(ar + 32), a3 = Load(ar + 48);
+#pragma GCC unroll 4
+        for (int r = 0; r < kR; ++r) {
+          const v16 s = Splat(w[r * T + (j - j0)]);
+          a0 += s * xs[r][0];
+          a1 += s * xs[r][1];
+          a2 += s * xs[r][2];
+          a3 += s * xs[r][3];
+        }
+        Store(ar, a0);
+        Store(ar + 16, a1);
+        Store(ar + 32, a2);
+        Store(ar + 48, a3);
+      }
+    } else {
+      for (int64_t j = j0; j < j1; ++j) {
+        float* ar = acc + j * D + c0;
+        for (int c = 0; c < nv; ++c) {
+          v16 a = Load(ar + 16 * c);
+          for (int r = 0; r < kR; ++r) a += Splat(w[r * T + (j - j0)]) * Load(x + r * D + c0 + 16 * c);
+          Store(ar + 16 * c, a);
+        }
+      }
+    }
+  }
+}
+
+// The key range [j0, j1) the queries t0 .. t0 + kR - 1 of row mask m ([T, T]) read: from the
+// first key any of them may see (rounded down to 16) to the block's end (rounded up to 16);
+// j0 == j1 when none may see any.
+inline void KeyRange(const bool* m, int64_t T, int64_t t0, int64_t* j0, int64_t* j1) {
+  const int64_t end = std::min<int64_t>(T, (t0 + kR + 15) / 16 * 16);
+  int64_t first = end;
+  for (int r = 0; r < kR; ++r) {
+    const bool* row = m + (t0 + r) * T;
+    const bool* stop = row + std::min(first, t0 + r + 1);
+    const bool* hit = std::find(row, stop, true);
+    if (hit != stop) first = hit - row;
+  }
+  *j0 = first >= end ? end : first / 16 * 16;
+  *j1 = end;
+}
+
+// One task of the forward: queries [t_begin, t_end) of (row b, kv head h, query head g).
+void ForwardTask(
+    const Dims& n, int64_t b, int64_t h, int64_t g, int64_t t_begin, int64_t t_end, const float* q,
+    const float* kt, const float* v, const bool* mask, float* o, float* lse) {
+  const int64_t T = n.T, D = n.D;
+  thread_local std::vector<float> buf;
+  if (buf.size() < static_cast<size_t>(kR * T)) buf.resize(kR * T);
+  float* s = buf.data();
+  const int64_t bh = b * n.KV + h, row = bh * n.G + g;
+  const float* qr = q + row * T * D;
+  const float* ktr = kt + bh * D * T;
+  const float* vr = v + bh * T * D;
+  const bool* mr = mask + b * T * T;
+  float* orow = o + row * T * D;
+  float* lrow = lse + row * T;
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kR) {
+    int64_t j0, j1;
+    KeyRange(mr, T, t0, &j0, &j1);
+    float inv[kR];
+    if (j0 < j1) {
+      RowsByCols(qr + t0 * D, ktr, T, D, j0, j1, s);
+      for (int r = 0; r < kR; ++r) {
+        float* sr = s + r * T;
+        const bool* mk = mr + (t0 + r) * T + j0;
+        const int64_t w = j1 - j0;
+        v16 vmax = Splat(kMasked);
+        for (int64_t j = 0; j < w; j += 16) {
+          const v16 x = Load(sr + j);
+          vmax = (MaskLanes(mk + j) != 0) & (x > vmax) ? x : vmax;
+        }
+        const float mx = HorizontalMax(vmax);
+        v16 vsum = {};
+        for (int64_t j = 0; j < w; j += 16) {
+          const v16 e = MaskLanes(mk + j) != 0 ? Exp(Load(sr + j) - Splat(mx)) : Splat(0.f);
+          Store(sr + j, e);
+          vsum += e;
+        }
+        const float sum = HorizontalSum(vsum);
+        const bool any = mx > 0.5f * kMasked && sum > 0.f;
+        inv[r] = any ? 1.f / sum : 0.f;
+        lrow[t0 + r] = any ? mx + logf(sum) : 0.f;
+      }
+      WeightsByRows(s, vr, T, D, j0, j1, orow + t0 * D);
+      for (int r = 0; r < kR; ++r)
+        for (int64_t d = 0; d < D; ++d) orow[(t0 + r) * D + d] *= inv[r];
+    } else {
+      std::memset(orow + t0 * D, 0, sizeof(float) * kR * D);
+      for (int r = 0; r < kR; ++r) lrow[t0 + r] = 0.f;
+    }
+  }
+}
+
+// One task of the backward: every query of (row b, kv head h, query head g); writes dq for
+// them and this query head's share of dk, dv (dkp, dvp: zeroed here).
+void BackwardTask(
+    const Dims& n, int64_t b, int64_t h, int64_t g, const float* q, const float* kt, const float* k,
+    const float* vt, const bool* mask, const float* o, const float* lse, const float* dout, float* dq,
+    float* dkp, float* dvp) {
+  const int64_t T = n.T, D = n.D;
+  thread_local std::vector<float> buf;
+  if (buf.size() < static_cast<size_t>(2 * kR * T)) buf.resize(2 * kR * T);
+  float* p = buf.data();
+  float* ds = p + kR * T;
+  const int64_t bh = b * n.KV + h, row = bh * n.G + g;
+  const float* qr = q + row * T * D;
+  const float* orow = o + row * T * D;
+  const float* dor = dout + row * T * D;
+  const float* lrow = lse + row * T;
+  const float* ktr = kt + bh * D * T;
+  const float* kr = k + bh * T * D;
+  const float* vtr = vt + bh * D * T;
+  const bool* mr = mask + b * T * T;
+  float* dqr = dq + row * T * D;
+  float* dk = dkp + row * T * D;
+  float* dv = dvp + row * T * D;
+  std::memset(dk, 0, sizeof(float) * T * D);
+  std::memset(dv, 0, sizeof(float) * T * D);
+  for (int64_t t0 = 0; t0 < T; t0 += kR) {
+    int64_t j0, j1;
+    KeyRange(mr, T, t0, &j0, &j1);
+    if (j0 >= j1) {
+      std::memset(dqr + t0 * D, 0, sizeof(float) * kR * D);
+      continue;
+    }
+    const int64_t w = j1 - j0;
+    RowsByCols(qr + t0 * D, ktr, T, D, j0, j1, p);       // scores
+    RowsByCols(dor + t0 * D, vtr, T, D, j0, j1, ds);     // dP = dO V^T
+    for (int r = 0; r < kR; ++r) {
+      const int64_t t = t0 + r;
+      float delta = 0.f;
+      for (int64_t d = 0; d < D; ++d) delta += dor[t * D + d] * orow[t * D + d];
+      const float l = lrow[t];
+      const bool* mk = mr + t * T + j0;
+      float* pr = p + r * T;
+      float* dsr = ds + r * T;
+      for (int64_t j = 0; j < w; j += 16) {
+        const v16 e = MaskLanes(mk + j) != 0 ? Exp(Load(pr + j) - Splat(l)) : Splat(0.f);
+        Store(pr + j, e);
+        Store(dsr + j, e * (Load(dsr + j) - Splat(delta)));
+      }
+    }
+    WeightsByRows(ds, kr, T, D, j0, j1, dqr + t0 * D);   // dQ = dS K
+    AddOuter(ds, qr + t0 * D, T, D, j0, j1, dk);           // dK += dS^T Q
+    AddOuter(p, dor + t0 * D, T, D, j0, j1, dv);           // dV += P^T dO
+  }
+}
+
+
+#endif  // MARFT_CAUSAL_ATTENTION_BODY
