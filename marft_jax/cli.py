@@ -248,14 +248,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(fn=cmd_generate)
 
     b = sub.add_parser("bench", help="benchmarks printing JSON (sampler, backups, update, iteration, scaling, "
-                                     "estimators)",
+                                     "estimators, attention)",
                        description="Run a benchmark; arguments after the name go to it (try `bench sampler --help`). "
                                    "`iteration`: one whole training iteration, ours vs the reference pipeline. "
                                    "`scaling --devices D`: per-device compiled FLOPs on D simulated CPU devices. "
                                    "`estimators`: seconds per iteration, algo.advantage=group vs gae. "
+                                   "`attention`: whole-row attention, model.causal_attention native vs xla. "
                                    "`--profile DIR` (after the name) writes a jax.profiler trace of the run "
                                    "(of our measured iteration for `iteration`).")
-    b.add_argument("which", choices=["sampler", "backups", "update", "iteration", "scaling", "estimators"])
+    b.add_argument("which", choices=["sampler", "backups", "update", "iteration", "scaling", "estimators",
+                                     "attention"])
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(fn=cmd_bench)
 

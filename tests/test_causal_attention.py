@@ -197,3 +197,22 @@ def test_config_key_is_checked():
 
     with pytest.raises(ConfigError, match="model.causal_attention"):
         load_config("demo", ["model.causal_attention=fast"])
+
+
+def test_bench_attention_reports_both_sides_and_the_floor(capsys):
+    """`marft-jax bench attention` at a tiny shape: the last stdout line is the JSON report with
+    both sides, their ratio and the floor for the forward and forward + backward programs."""
+    import json
+
+    from marft_jax.bench import attention as bench
+
+    rep = bench.main(["--rows", "1", "--tokens", "40", "--heads", "2", "--kv-heads", "1", "--head-dim", "16",
+                      "--repeats", "1", "--roofline-n", "128"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["programs"].keys() == rep["programs"].keys() == {"forward", "forward_backward"}
+    for prog in last["programs"].values():
+        assert prog["ours_s"] > 0 and prog["baseline_s"] > 0 and prog["floor_s"] > 0
+        assert prog["ratio"] == pytest.approx(prog["baseline_s"] / prog["ours_s"])
+        assert prog["ours_over_floor"] == pytest.approx(prog["ours_s"] / prog["floor_s"])
+    fb = last["programs"]["forward_backward"]["flops"]
+    assert fb == pytest.approx(14 * 2 * 40 * 41 / 2 * 16)
