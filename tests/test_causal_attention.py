@@ -97,9 +97,9 @@ def test_masked_key_blocks_are_skipped_exactly():
 
 @pytest.mark.parametrize("isa", ["avx2", "portable"])
 def test_every_instruction_set_body(isa, tmp_path):
-    """The kernel is compiled for AVX-512, AVX2 + FMA and portably; a machine uses the best it
-    has. ``MARFT_JAX_CAUSAL_ATTENTION_ISA`` caps the choice, so each body is checked here (in a
-    fresh process: the choice is made once per process)."""
+    """The kernel is compiled for AVX-512 (16 lanes), AVX2 + FMA (8) and portably (4: SSE2 /
+    NEON); a machine uses the best it has. ``MARFT_JAX_CAUSAL_ATTENTION_ISA`` caps the choice,
+    so each body is checked here (in a fresh process: the choice is made once per process)."""
     if isa == "avx2" and not _cpu_has("avx2"):
         pytest.skip("this CPU has no AVX2")
     script = textwrap.dedent("""
@@ -175,10 +175,14 @@ def test_compiled_training_pass_has_the_ffi_and_no_blocked_dots():
     assert causal_attention.FORWARD not in xla_hlo
 
 
-def test_resolve():
-    """``auto``: native on one CPU device in float32, xla elsewhere; ``native`` where it cannot
-    run names the key; a bad value too."""
+def test_resolve(monkeypatch):
+    """``auto``: native on one CPU device in float32 with AVX2 / AVX-512, xla elsewhere (and on a
+    CPU with only the portable body); ``native`` where it cannot run names the key; a bad value too."""
+    monkeypatch.setattr(causal_attention, "vector_units", lambda: True)
     assert causal_attention.resolve("auto", backend="cpu", dtype=jnp.float32, devices=1) == "native"
+    monkeypatch.setattr(causal_attention, "vector_units", lambda: False)
+    assert causal_attention.resolve("auto", backend="cpu", dtype=jnp.float32, devices=1) == "xla"
+    assert causal_attention.resolve("native", backend="cpu", dtype=jnp.float32, devices=1) == "native"
     assert causal_attention.resolve("auto", backend="cpu", dtype=jnp.bfloat16, devices=1) == "xla"
     assert causal_attention.resolve("auto", backend="cpu", devices=4) == "xla"
     assert causal_attention.resolve("auto", backend="gpu", dtype=jnp.bfloat16, devices=1) == "xla"

@@ -5,6 +5,8 @@ segments, no KV cache: training and critic forwards over packed or padded rows, 
 sampler's prefill into an empty cache):
 
 * ``xla``: einsum scores, boolean mask, float32 softmax (any backend; the default on CPU).
+  On one CPU device in float32, ``model.causal_attention`` (default ``auto``) runs these whole
+  rows in a native kernel instead (:mod:`marft_jax.models.causal_attention`; the decoder routes).
 * ``cudnn``: ``jax.nn.dot_product_attention(implementation="cudnn")`` on NVIDIA GPUs (half
   precision only: chosen by ``auto`` when the weights are bf16/fp16, refused by :func:`resolve`
   for float32 weights), ``is_causal=True`` (the blocks above the diagonal are skipped) plus the

@@ -28,8 +28,9 @@ import numpy as np
 from marft_jax import native_build
 
 SOURCE = Path(__file__).with_name("causal_attention_kernel.cc")
-# -ffast-math: the softmax's expf vectorizes (the kernel has no infinities or NaNs of its own)
-FLAGS = native_build.BASE_FLAGS + ("-ffast-math",)
+# No -ffast-math: the kernel vectorizes without it (its own exponential), and a shared library
+# linked with it sets flush-to-zero for the whole process when loaded (GCC < 13).
+FLAGS = native_build.BASE_FLAGS
 FORWARD, BACKWARD = "marft_causal_attention_fwd", "marft_causal_attention_bwd"
 ROW_MULTIPLE = 16     # the kernel's rows are padded to a multiple of this (keys read 16 at a time)
 
@@ -45,12 +46,25 @@ def status() -> native_build.Status:
 def resolve(requested: str, *, backend: str | None = None, dtype=None, devices: int | None = None,
             key: str = "model.causal_attention") -> str:
     """``xla`` or ``native`` for ``requested`` (``auto`` | ``xla`` | ``native``): ``auto`` is
-    ``native`` on a single CPU device in float32 when the kernel builds, else ``xla``; ``native``
-    where it cannot run raises ``ValueError`` naming ``key`` and why
+    ``native`` on a single CPU device in float32 with AVX2 + FMA or AVX-512 when the kernel
+    builds, else ``xla`` (the kernel's portable body runs slower than XLA: docs/benchmarks.md);
+    ``native`` where it cannot run raises ``ValueError`` naming ``key`` and why
     (:func:`marft_jax.native_build.resolve_cpu_kernel`). A head width that is not a multiple of
     16 runs the XLA path whatever this says (:func:`supports`)."""
-    return native_build.resolve_cpu_kernel(requested, _library, key=key, backend=backend, dtype=dtype,
+    impl = native_build.resolve_cpu_kernel(requested, _library, key=key, backend=backend, dtype=dtype,
                                            devices=devices)
+    return "xla" if requested == "auto" and impl == "native" and not vector_units() else impl
+
+
+def vector_units() -> bool:
+    """Whether this CPU has the kernel's fast bodies (AVX-512F, or AVX2 with FMA: Linux's
+    ``/proc/cpuinfo`` flags; False where they cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512f" in flags or ("avx2" in flags and "fma" in flags)
 
 
 def supports(head_dim: int) -> bool:

@@ -41,12 +41,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v16u __attribute__((vector_size(64), aligned(4)));
 constexpr int kR = 4;              // queries per block
 constexpr float kMasked = -1e30f;  // the score of a masked key (its exponential is 0)
-typedef int32_t v16i __attribute__((vector_size(64)));
-typedef int8_t v16b __attribute__((vector_size(16), aligned(1)));
 struct Dims {
   int64_t B, KV, G, T, D;
 };
@@ -56,21 +52,40 @@ struct Dims {
 // The kernel body below, compiled three times: for AVX-512, for AVX2 + FMA and portably (the
 // file includes itself; the vector helpers must be compiled for the target they run on, so
 // they live inside each target region rather than in target_clones functions).
+#if defined(__clang__)   // clang ignores GCC's target pragma
+#pragma clang attribute push(__attribute__((target("avx512f,fma"))), apply_to = function)
+#else
 #pragma GCC push_options
 #pragma GCC target("avx512f,fma")
+#endif
+#define MARFT_LANES 16
 namespace isa_avx512 {
 #include "causal_attention_kernel.cc"  // this file: the body below
 }  // namespace isa_avx512
+#if defined(__clang__)
+#pragma clang attribute pop
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
+#endif
+#undef MARFT_LANES
+#define MARFT_LANES 8
 namespace isa_avx2 {
 #include "causal_attention_kernel.cc"  // this file: the body below
 }  // namespace isa_avx2
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
 #pragma GCC pop_options
+#endif
+#undef MARFT_LANES
+#define MARFT_LANES 4
 namespace isa_portable {
 #include "causal_attention_kernel.cc"  // this file: the body below
 }  // namespace isa_portable
+#undef MARFT_LANES
 
 namespace {
 
@@ -80,12 +95,12 @@ struct Isa {
   decltype(&isa_portable::BackwardTask) backward;
 };
 
-// $MARFT_JAX_CAUSAL_ATTENTION_ISA = avx2 | portable caps the choice (tests run every body).
+// $MARFT_JAX_CAUSAL_ATTENTION_ISA = avx512 | avx2 | portable caps the choice (tests run every body).
 const Isa& Chosen() {
   static const Isa isa = [] {
     const char* cap = std::getenv("MARFT_JAX_CAUSAL_ATTENTION_ISA");
     const std::string limit = cap ? cap : "";
-    const bool avx512 = limit.empty() && __builtin_cpu_supports("avx512f");
+    const bool avx512 = (limit.empty() || limit == "avx512") && __builtin_cpu_supports("avx512f");
     const bool avx2 = limit != "portable" && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     return avx512 ? Isa{&isa_avx512::ForwardTask, &isa_avx512::BackwardTask}
            : avx2 ? Isa{&isa_avx2::ForwardTask, &isa_avx2::BackwardTask}
@@ -115,12 +130,21 @@ void RunTasks(ffi::ThreadPool& pool, int64_t tasks, Fn fn) {
   while (st->done.load(std::memory_order_acquire) < tasks) std::this_thread::yield();
 }
 
-ffi::Error CheckDims(const Dims& n, ffi::Span<const int64_t> kd, ffi::Span<const int64_t> md) {
+bool Dims4(ffi::Span<const int64_t> d, int64_t a, int64_t b, int64_t c, int64_t e) {
+  return d.size() == 4 && d[0] == a && d[1] == b && d[2] == c && d[3] == e;
+}
+
+bool Dims5(ffi::Span<const int64_t> d, const Dims& n) {
+  return d.size() == 5 && d[0] == n.B && d[1] == n.KV && d[2] == n.G && d[3] == n.T && d[4] == n.D;
+}
+
+ffi::Error CheckCommon(const Dims& n, ffi::Span<const int64_t> kt, ffi::Span<const int64_t> mask) {
   if (n.T % 16 != 0 || n.D % 16 != 0)
     return ffi::Error::InvalidArgument("causal_attention: T and D must be multiples of 16");
-  if (kd.size() != 4 || kd[0] != n.B || kd[1] != n.KV || md.size() != 3 || md[0] != n.B || md[1] != n.T ||
-      md[2] != n.T)
-    return ffi::Error::InvalidArgument("causal_attention: k [B, KV, T, D] or [B, KV, D, T], mask [B, T, T]");
+  if (!Dims4(kt, n.B, n.KV, n.D, n.T))
+    return ffi::Error::InvalidArgument("causal_attention: kt must be [B, KV, D, T]");
+  if (mask.size() != 3 || mask[0] != n.B || mask[1] != n.T || mask[2] != n.T)
+    return ffi::Error::InvalidArgument("causal_attention: mask must be [B, T, T]");
   return ffi::Error::Success();
 }
 
@@ -132,7 +156,10 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   auto qd = q.dimensions();
   if (qd.size() != 5) return ffi::Error::InvalidArgument("causal_attention: q must be [B, KV, G, T, D]");
   const Dims n{qd[0], qd[1], qd[2], qd[3], qd[4]};
-  if (auto e = CheckDims(n, kt.dimensions(), mask.dimensions()); e.failure()) return e;
+  if (auto e = CheckCommon(n, kt.dimensions(), mask.dimensions()); e.failure()) return e;
+  if (!Dims4(v.dimensions(), n.B, n.KV, n.T, n.D) || !Dims5(o->dimensions(), n) ||
+      lse->dimensions().size() != 4 || lse->element_count() != n.B * n.KV * n.G * n.T)
+    return ffi::Error::InvalidArgument("causal_attention: v [B, KV, T, D], o like q, lse [B, KV, G, T]");
   const int64_t chunks = (n.T + kQueryChunk - 1) / kQueryChunk;
   const float* qp = q.typed_data();
   const float* ktp = kt.typed_data();
@@ -158,7 +185,13 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   auto qd = q.dimensions();
   if (qd.size() != 5) return ffi::Error::InvalidArgument("causal_attention: q must be [B, KV, G, T, D]");
   const Dims n{qd[0], qd[1], qd[2], qd[3], qd[4]};
-  if (auto e = CheckDims(n, kt.dimensions(), mask.dimensions()); e.failure()) return e;
+  if (auto e = CheckCommon(n, kt.dimensions(), mask.dimensions()); e.failure()) return e;
+  if (!Dims4(k.dimensions(), n.B, n.KV, n.T, n.D) || !Dims4(vt.dimensions(), n.B, n.KV, n.D, n.T) ||
+      !Dims5(o.dimensions(), n) || !Dims5(dout.dimensions(), n) || !Dims5(dq->dimensions(), n) ||
+      !Dims5(dkp->dimensions(), n) || !Dims5(dvp->dimensions(), n) || lse.dimensions().size() != 4 ||
+      lse.element_count() != n.B * n.KV * n.G * n.T)
+    return ffi::Error::InvalidArgument(
+        "causal_attention: k [B, KV, T, D], vt [B, KV, D, T], o / d_out / dq / dk / dv like q, lse [B, KV, G, T]");
   const float *qp = q.typed_data(), *ktp = kt.typed_data(), *kp = k.typed_data(), *vtp = vt.typed_data();
   const float *opp = o.typed_data(), *lp = lse.typed_data(), *dop = dout.typed_data();
   const bool* mp = reinterpret_cast<const bool*>(mask.typed_data());
@@ -201,81 +234,86 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(MarftCausalAttentionBwd, BackwardImpl,
 
 #else  // MARFT_CAUSAL_ATTENTION_BODY: the kernel body, once per instruction set
 
-__attribute__((always_inline)) inline v16 Load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
-__attribute__((always_inline)) inline void Store(float* p, v16 x) { *reinterpret_cast<v16u*>(p) = x; }
-__attribute__((always_inline)) inline v16 Splat(float x) {
-  return (v16){x, x, x, x, x, x, x, x, x, x, x, x, x, x, x, x};
-}
+// MARFT_LANES floats a vector (16: AVX-512, 8: AVX2, 4: SSE2 / NEON) and kC vectors a tile
+// (the accumulators of 4 queries x kC vectors fit the register file: 32 zmm, 16 ymm / xmm).
+constexpr int kW = MARFT_LANES;
+constexpr int kC = kW == 16 ? 4 : 2;
+constexpr int kTile = kW * kC;     // keys (or value columns) per tile
+typedef float vf __attribute__((vector_size(4 * kW)));
+typedef float vfu __attribute__((vector_size(4 * kW), aligned(4)));
+typedef int32_t vi __attribute__((vector_size(4 * kW)));
+typedef int8_t vb __attribute__((vector_size(kW), aligned(1)));
 
-// 16 mask bytes (bool) as lanes: -1 where true, 0 where false.
-__attribute__((always_inline)) inline v16i MaskLanes(const bool* m) {
-  return __builtin_convertvector(*reinterpret_cast<const v16b*>(m), v16i) != 0;
+__attribute__((always_inline)) inline vf Load(const float* p) { return *reinterpret_cast<const vfu*>(p); }
+__attribute__((always_inline)) inline void Store(float* p, vf x) { *reinterpret_cast<vfu*>(p) = x; }
+__attribute__((always_inline)) inline vf Splat(float x) { return (vf){} + x; }
+
+// kW mask bytes (bool) as lanes: -1 where true, 0 where false.
+__attribute__((always_inline)) inline vi MaskLanes(const bool* m) {
+  return __builtin_convertvector(*reinterpret_cast<const vb*>(m), vi) != 0;
 }
 
 // exp(x) for x <= ~0 (a softmax's shifted scores): 2^n * 2^f with f in [-1/2, 1/2], 2^f by its
 // degree-6 Taylor polynomial (relative error < 2e-7); x below -87 gives ~0.
-__attribute__((always_inline)) inline v16 Exp(v16 x) {
-  const v16 lo = Splat(-87.f);
+__attribute__((always_inline)) inline vf Exp(vf x) {
+  const vf lo = Splat(-87.f), hi = Splat(88.f);   // masked lanes may hold anything: keep n in range
   x = x < lo ? lo : x;
-  const v16 t = x * Splat(1.44269504088896341f);
+  x = x > hi ? hi : x;
+  const vf t = x * Splat(1.44269504088896341f);
   // n = t rounded to the nearest integer (half away from zero; the conversion truncates)
-  const v16i ni = __builtin_convertvector(t + (t < Splat(0.f) ? Splat(-0.5f) : Splat(0.5f)), v16i);
-  const v16 f = (t - __builtin_convertvector(ni, v16)) * Splat(0.693147180559945309f);
-  v16 p = Splat(1.f / 720.f);
+  const vi ni = __builtin_convertvector(t + (t < Splat(0.f) ? Splat(-0.5f) : Splat(0.5f)), vi);
+  const vf f = (t - __builtin_convertvector(ni, vf)) * Splat(0.693147180559945309f);
+  vf p = Splat(1.f / 720.f);
   p = p * f + Splat(1.f / 120.f);
   p = p * f + Splat(1.f / 24.f);
   p = p * f + Splat(1.f / 6.f);
   p = p * f + Splat(0.5f);
   p = p * f + Splat(1.f);
   p = p * f + Splat(1.f);
-  const v16i bits = (ni + 127) << 23;
-  return p * reinterpret_cast<const v16&>(bits);
+  const vi bits = (ni + 127) << 23;
+  return p * (vf)bits;   // a vector cast reinterprets the bits
 }
 
-__attribute__((always_inline)) inline float HorizontalMax(v16 x) {
+__attribute__((always_inline)) inline float HorizontalMax(vf x) {
   float m = x[0];
-  for (int i = 1; i < 16; ++i) m = std::max(m, x[i]);
+  for (int i = 1; i < kW; ++i) m = std::max(m, x[i]);
   return m;
 }
 
-__attribute__((always_inline)) inline float HorizontalSum(v16 x) {
+__attribute__((always_inline)) inline float HorizontalSum(vf x) {
   float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += x[i];
+  for (int i = 0; i < kW; ++i) s += x[i];
   return s;
 }
 
-
 // out[r][j - j0] = sum_d a[r][d] * bt[d][j] for the kR rows of a (stride D) and keys
 // j in [j0, j1) (j1 - j0 a multiple of 16); bt is [D, T]; out rows have stride T.
-__attribute__((always_inline)) inline void RowsByCols(const float* a, const float* bt, int64_t T, int64_t D, int64_t j0, int64_t j1, float* out) {
+__attribute__((always_inline)) inline void RowsByCols(const float* a, const float* bt, int64_t T, int64_t D,
+                                                      int64_t j0, int64_t j1, float* out) {
   int64_t j = j0;
-  for (; j + 64 <= j1; j += 64) {
-    v16 c[kR][4] = {};
+  for (; j + kTile <= j1; j += kTile) {
+    vf c[kR][kC] = {};
     for (int64_t d = 0; d < D; ++d) {
       const float* br = bt + d * T + j;
-      const v16 b0 = Load(br), b1 = Load(br + 16), b2 = Load(br + 32), b3 = Load(br + 48);
+      vf b[kC];
+#pragma GCC unroll 4
+      for (int v = 0; v < kC; ++v) b[v] = Load(br + kW * v);
 #pragma GCC unroll 4
       for (int r = 0; r < kR; ++r) {
-        const v16 x = Splat(a[r * D + d]);
-        c[r][0] += x * b0;
-        c[r][1] += x * b1;
-        c[r][2] += x * b2;
-        c[r][3] += x * b3;
+        const vf x = Splat(a[r * D + d]);
+#pragma GCC unroll 4
+        for (int v = 0; v < kC; ++v) c[r][v] += x * b[v];
       }
     }
 #pragma GCC unroll 4
-    for (int r = 0; r < kR; ++r) {
-      float* o = out + r * T + (j - j0);
-      Store(o, c[r][0]);
-      Store(o + 16, c[r][1]);
-      Store(o + 32, c[r][2]);
-      Store(o + 48, c[r][3]);
-    }
+    for (int r = 0; r < kR; ++r)
+#pragma GCC unroll 4
+      for (int v = 0; v < kC; ++v) Store(out + r * T + (j - j0) + kW * v, c[r][v]);
   }
-  for (; j < j1; j += 16) {
-    v16 c[kR] = {};
+  for (; j < j1; j += kW) {
+    vf c[kR] = {};
     for (int64_t d = 0; d < D; ++d) {
-      const v16 b0 = Load(bt + d * T + j);
+      const vf b0 = Load(bt + d * T + j);
 #pragma GCC unroll 4
       for (int r = 0; r < kR; ++r) c[r] += Splat(a[r * D + d]) * b0;
     }
@@ -286,72 +324,76 @@ __attribute__((always_inline)) inline void RowsByCols(const float* a, const floa
 
 // out[r][:] = sum_{j in [j0, j1)} w[r][j - j0] * m[j][:] for kR rows of weights (stride T) and
 // the rows of m ([T, D]); out rows have stride D.
-__attribute__((always_inline)) inline void WeightsByRows(const float* w, const float* m, int64_t T, int64_t D, int64_t j0, int64_t j1, float* out) {
-  for (int64_t c0 = 0; c0 < D; c0 += 64) {
-    const int nv = static_cast<int>(std::min<int64_t>(4, (D - c0) / 16));
-    v16 acc[kR][4] = {};
-    if (nv == 4) {
-      for (int64_t j = j0; j < j1; ++j) {
-        const float* mr = m + j * D + c0;
-        const v16 m0 = Load(mr), m1 = Load(mr + 16), m2 = Load(mr + 32), m3 = Load(mr + 48);
+__attribute__((always_inline)) inline void WeightsByRows(const float* w, const float* m, int64_t T, int64_t D,
+                                                         int64_t j0, int64_t j1, float* out) {
+  int64_t c0 = 0;
+  for (; c0 + kTile <= D; c0 += kTile) {
+    vf acc[kR][kC] = {};
+    for (int64_t j = j0; j < j1; ++j) {
+      const float* mr = m + j * D + c0;
+      vf mv[kC];
 #pragma GCC unroll 4
-        for (int r = 0; r < kR; ++r) {
-          const v16 x = Splat(w[r * T + (j - j0)]);
-          acc[r][0] += x * m0;
-          acc[r][1] += x * m1;
-          acc[r][2] += x * m2;
-          acc[r][3] += x * m3;
-        }
-      }
-    } else {
-      for (int64_t j = j0; j < j1; ++j) {
-        const float* mr = m + j * D + c0;
-        for (int r = 0; r < kR; ++r) {
-          const v16 x = Splat(w[r * T + (j - j0)]);
-          for (int c = 0; c < nv; ++c) acc[r][c] += x * Load(mr + 16 * c);
-        }
+      for (int v = 0; v < kC; ++v) mv[v] = Load(mr + kW * v);
+#pragma GCC unroll 4
+      for (int r = 0; r < kR; ++r) {
+        const vf x = Splat(w[r * T + (j - j0)]);
+#pragma GCC unroll 4
+        for (int v = 0; v < kC; ++v) acc[r][v] += x * mv[v];
       }
     }
+#pragma GCC unroll 4
     for (int r = 0; r < kR; ++r)
-      for (int c = 0; c < nv; ++c) Store(out + r * D + c0 + 16 * c, acc[r][c]);
+#pragma GCC unroll 4
+      for (int v = 0; v < kC; ++v) Store(out + r * D + c0 + kW * v, acc[r][v]);
+  }
+  for (; c0 < D; c0 += kW) {   // D is a multiple of 16, so of kW
+    vf acc[kR] = {};
+    for (int64_t j = j0; j < j1; ++j) {
+      const vf mv = Load(m + j * D + c0);
+#pragma GCC unroll 4
+      for (int r = 0; r < kR; ++r) acc[r] += Splat(w[r * T + (j - j0)]) * mv;
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kR; ++r) Store(out + r * D + c0, acc[r]);
   }
 }
 
 // acc[j][:] += sum_r w[r][j - j0] * x[r][:] for keys j in [j0, j1): the kR rows of x (stride
 // D), weights with stride T, acc [T, D].
-__attribute__((always_inline)) inline void AddOuter(const float* w, const float* x, int64_t T, int64_t D, int64_t j0, int64_t j1, float* acc) {
-  for (int64_t c0 = 0; c0 < D; c0 += 64) {
-    const int nv = static_cast<int>(std::min<int64_t>(4, (D - c0) / 16));
-    if (nv == 4) {
-      v16 xs[kR][4];
+__attribute__((always_inline)) inline void AddOuter(const float* w, const float* x, int64_t T, int64_t D,
+                                                    int64_t j0, int64_t j1, float* acc) {
+  int64_t c0 = 0;
+  for (; c0 + kTile <= D; c0 += kTile) {
+    vf xs[kR][kC];
 #pragma GCC unroll 4
-      for (int r = 0; r < kR; ++r)
-        for (int c = 0; c < 4; ++c) xs[r][c] = Load(x + r * D + c0 + 16 * c);
-      for (int64_t j = j0; j < j1; ++j) {
-        float* ar = acc + j * D + c0;
-        v16 a0 = Load(ar), a1 = Load(ar + 16), a2 = Load(ar + 32), a3 = Load(ar + 48);
+    for (int r = 0; r < kR; ++r)
 #pragma GCC unroll 4
-        for (int r = 0; r < kR; ++r) {
-          const v16 s = Splat(w[r * T + (j - j0)]);
-          a0 += s * xs[r][0];
-          a1 += s * xs[r][1];
-          a2 += s * xs[r][2];
-          a3 += s * xs[r][3];
-        }
-        Store(ar, a0);
-        Store(ar + 16, a1);
-        Store(ar + 32, a2);
-        Store(ar + 48, a3);
+      for (int v = 0; v < kC; ++v) xs[r][v] = Load(x + r * D + c0 + kW * v);
+    for (int64_t j = j0; j < j1; ++j) {
+      float* ar = acc + j * D + c0;
+      vf a[kC];
+#pragma GCC unroll 4
+      for (int v = 0; v < kC; ++v) a[v] = Load(ar + kW * v);
+#pragma GCC unroll 4
+      for (int r = 0; r < kR; ++r) {
+        const vf s = Splat(w[r * T + (j - j0)]);
+#pragma GCC unroll 4
+        for (int v = 0; v < kC; ++v) a[v] += s * xs[r][v];
       }
-    } else {
-      for (int64_t j = j0; j < j1; ++j) {
-        float* ar = acc + j * D + c0;
-        for (int c = 0; c < nv; ++c) {
-          v16 a = Load(ar + 16 * c);
-          for (int r = 0; r < kR; ++r) a += Splat(w[r * T + (j - j0)]) * Load(x + r * D + c0 + 16 * c);
-          Store(ar + 16 * c, a);
-        }
-      }
+#pragma GCC unroll 4
+      for (int v = 0; v < kC; ++v) Store(ar + kW * v, a[v]);
+    }
+  }
+  for (; c0 < D; c0 += kW) {
+    vf xs[kR];
+#pragma GCC unroll 4
+    for (int r = 0; r < kR; ++r) xs[r] = Load(x + r * D + c0);
+    for (int64_t j = j0; j < j1; ++j) {
+      float* ar = acc + j * D + c0;
+      vf a = Load(ar);
+#pragma GCC unroll 4
+      for (int r = 0; r < kR; ++r) a += Splat(w[r * T + (j - j0)]) * xs[r];
+      Store(ar, a);
     }
   }
 }
@@ -397,15 +439,15 @@ void ForwardTask(
         float* sr = s + r * T;
         const bool* mk = mr + (t0 + r) * T + j0;
         const int64_t w = j1 - j0;
-        v16 vmax = Splat(kMasked);
-        for (int64_t j = 0; j < w; j += 16) {
-          const v16 x = Load(sr + j);
+        vf vmax = Splat(kMasked);
+        for (int64_t j = 0; j < w; j += kW) {
+          const vf x = Load(sr + j);
           vmax = (MaskLanes(mk + j) != 0) & (x > vmax) ? x : vmax;
         }
         const float mx = HorizontalMax(vmax);
-        v16 vsum = {};
-        for (int64_t j = 0; j < w; j += 16) {
-          const v16 e = MaskLanes(mk + j) != 0 ? Exp(Load(sr + j) - Splat(mx)) : Splat(0.f);
+        vf vsum = {};
+        for (int64_t j = 0; j < w; j += kW) {
+          const vf e = MaskLanes(mk + j) != 0 ? Exp(Load(sr + j) - Splat(mx)) : Splat(0.f);
           Store(sr + j, e);
           vsum += e;
         }
@@ -467,8 +509,8 @@ void BackwardTask(
       const bool* mk = mr + t * T + j0;
       float* pr = p + r * T;
       float* dsr = ds + r * T;
-      for (int64_t j = 0; j < w; j += 16) {
-        const v16 e = MaskLanes(mk + j) != 0 ? Exp(Load(pr + j) - Splat(l)) : Splat(0.f);
+      for (int64_t j = 0; j < w; j += kW) {
+        const vf e = MaskLanes(mk + j) != 0 ? Exp(Load(pr + j) - Splat(l)) : Splat(0.f);
         Store(pr + j, e);
         Store(dsr + j, e * (Load(dsr + j) - Splat(delta)));
       }
