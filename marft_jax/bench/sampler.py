@@ -45,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from marft_jax.bench.machine import torch_matmul_flops
-from marft_jax.models import cache_attention, decoder, layer_matmul, quant_matmul
+from marft_jax.models import cache_attention, causal_attention, decoder, layer_matmul, quant_matmul
 from marft_jax.models.config import ModelConfig
 from marft_jax.sampling.buckets import length_bucket
 from marft_jax.sampling.sampler import Sampler, SamplingConfig, decode_weight_bytes
@@ -264,6 +264,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    help="our decode steps' projections (model.decode_matmul)")
     p.add_argument("--decode-weights", default="auto", choices=["auto", "dequantized", "native"],
                    help="our decode steps read a GGUF file's blocks (model.decode_weights)")
+    p.add_argument("--causal-attention", default="auto", choices=["auto", "xla", "native"],
+                   help="our prefills' whole-row attention (model.causal_attention)")
     args = p.parse_args(argv)
 
     cores = os.cpu_count() or 1
@@ -277,7 +279,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
                               decode_matmul=layer_matmul.resolve(args.decode_matmul, dtype=jnp.float32,
                                                                  key="--decode-matmul"),
                               decode_weights=quant_matmul.resolve(args.decode_weights, quantized=quantized is not None,
-                                                                  dtype=jnp.float32, key="--decode-weights"))
+                                                                  dtype=jnp.float32, key="--decode-weights"),
+                              causal_attention=causal_attention.resolve(args.causal_attention, dtype=jnp.float32,
+                                                                        key="--causal-attention"))
     quantized = quantized if cfg.decode_weights == "native" else None
     params = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     roofline = matmul_roofline_flops()
@@ -293,7 +297,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     report: dict[str, Any] = {
         "bench": "sampler", "model": args.model, "backend": jax.default_backend(),
         "dtype": "float32", "decode_attention": cfg.decode_attention,
-        "decode_matmul": cfg.decode_matmul, "decode_weights": cfg.decode_weights, "cpu_cores": cores, "machine": platform.machine(),
+        "decode_matmul": cfg.decode_matmul, "decode_weights": cfg.decode_weights,
+        "causal_attention": cfg.causal_attention, "cpu_cores": cores, "machine": platform.machine(),
         "torch_threads": cores if hf_model is not None else None,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "new_tokens": args.new_tokens, "prompt_len_max": args.prompt_len, "repeats": args.repeats,

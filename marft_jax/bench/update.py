@@ -52,6 +52,7 @@ import argparse
 import copy
 import json
 import os
+import dataclasses
 import platform
 import statistics
 import time
@@ -64,7 +65,7 @@ import numpy as np
 from marft_jax.bench.machine import cpu_model, torch_matmul_flops
 from marft_jax.bench.sampler import matmul_roofline_flops
 from marft_jax.config import AlgoConfig, LoraConfig, OptimConfig, PPOConfig
-from marft_jax.models import decoder, logprobs as lp_lib
+from marft_jax.models import causal_attention, decoder, logprobs as lp_lib
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.critic import critic_features_fn, padded_critic_features, value_head
 from marft_jax.models.lora import LoraStack
@@ -386,6 +387,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--repeats", type=int, default=3, help="timed updates per side (median)")
     p.add_argument("--chunk", type=int, default=128, help="log-prob chunk (positions)")
     p.add_argument("--remat", action="store_true", help="ours: rematerialize decoder blocks")
+    p.add_argument("--causal-attention", default="auto", choices=["auto", "xla", "native"],
+                   help="ours: whole-row attention (model.causal_attention)")
     p.add_argument("--no-happo", action="store_true", help="ours: happo_weighting off")
     p.add_argument("--no-cache", action="store_true",
                    help="ours: also time the update with the critic features recomputed inside it")
@@ -401,6 +404,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     cores = os.cpu_count() or 1
     cfg, params, source = load(args.model, args.seed)
+    cfg = dataclasses.replace(cfg, causal_attention=causal_attention.resolve(args.causal_attention, dtype=jnp.float32,
+                                                                             key="--causal-attention"))
     base = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
     N, B, L, K = args.agents, args.batch, args.ctx, args.act
     optim = OptimConfig()
@@ -471,7 +476,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
                    "critic_head": [cfg.hidden_size, 1024, 512, 1]},
         "update": {"level": "action", "schedule": ucfg.agent_schedule, "happo_weighting": ucfg.happo_weighting,
                    "epochs": 1, "num_minibatches": 1, "chunk": ucfg.chunk, "remat": ucfg.remat,
-                   "dtype": "float32"},
+                   "dtype": "float32", "causal_attention": cfg.causal_attention},
         "tokens_per_update": N * B * (L + K),
         "repeats": args.repeats,
         "ours_s": ours_s,
