@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from typing import Any, Sequence
 
 import jax
@@ -29,16 +28,7 @@ from marft_jax.bench.machine import cpu_model
 from marft_jax.bench.sampler import matmul_roofline_flops
 from marft_jax.models import attention as attention_lib
 from marft_jax.models import causal_attention
-
-
-def _best(fn, args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best
+from marft_jax.train.peaks import best_time
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -69,8 +59,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     seconds: dict[str, dict[str, float]] = {}
     for name, fn in sides.items():
         grad = jax.grad(lambda q, k, v, fn=fn: jnp.sum(fn(q, k, v) * w), argnums=(0, 1, 2))
-        seconds[name] = {"forward": _best(jax.jit(fn), (q, k, v), args.repeats),
-                         "forward_backward": _best(jax.jit(grad), (q, k, v), args.repeats)}
+        seconds[name] = {"forward": best_time(jax.jit(fn), q, k, v, repeats=args.repeats),
+                         "forward_backward": best_time(jax.jit(grad), q, k, v, repeats=args.repeats)}
     roofs.append(matmul_roofline_flops(args.roofline_n))
     roof = max(roofs)
     programs: dict[str, Any] = {}

@@ -288,114 +288,97 @@ __attribute__((always_inline)) inline float HorizontalSum(vf x) {
 
 // out[r][j - j0] = sum_d a[r][d] * bt[d][j] for the kR rows of a (stride D) and keys
 // j in [j0, j1) (j1 - j0 a multiple of 16); bt is [D, T]; out rows have stride T.
+template <int NV>   // keys [j, j + NV * kW)
+__attribute__((always_inline)) inline void RowsByColsTile(const float* a, const float* bt, int64_t T, int64_t D,
+                                                          int64_t j, float* out) {
+  vf c[kR][NV] = {};
+  for (int64_t d = 0; d < D; ++d) {
+    const float* br = bt + d * T + j;
+    vf b[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) b[v] = Load(br + kW * v);
+#pragma GCC unroll 4
+    for (int r = 0; r < kR; ++r) {
+      const vf x = Splat(a[r * D + d]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) c[r][v] += x * b[v];
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < kR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) Store(out + r * T + kW * v, c[r][v]);
+}
+
 __attribute__((always_inline)) inline void RowsByCols(const float* a, const float* bt, int64_t T, int64_t D,
                                                       int64_t j0, int64_t j1, float* out) {
   int64_t j = j0;
-  for (; j + kTile <= j1; j += kTile) {
-    vf c[kR][kC] = {};
-    for (int64_t d = 0; d < D; ++d) {
-      const float* br = bt + d * T + j;
-      vf b[kC];
-#pragma GCC unroll 4
-      for (int v = 0; v < kC; ++v) b[v] = Load(br + kW * v);
-#pragma GCC unroll 4
-      for (int r = 0; r < kR; ++r) {
-        const vf x = Splat(a[r * D + d]);
-#pragma GCC unroll 4
-        for (int v = 0; v < kC; ++v) c[r][v] += x * b[v];
-      }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < kR; ++r)
-#pragma GCC unroll 4
-      for (int v = 0; v < kC; ++v) Store(out + r * T + (j - j0) + kW * v, c[r][v]);
-  }
-  for (; j < j1; j += kW) {
-    vf c[kR] = {};
-    for (int64_t d = 0; d < D; ++d) {
-      const vf b0 = Load(bt + d * T + j);
-#pragma GCC unroll 4
-      for (int r = 0; r < kR; ++r) c[r] += Splat(a[r * D + d]) * b0;
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < kR; ++r) Store(out + r * T + (j - j0), c[r]);
-  }
+  for (; j + kTile <= j1; j += kTile) RowsByColsTile<kC>(a, bt, T, D, j, out + (j - j0));
+  for (; j < j1; j += kW) RowsByColsTile<1>(a, bt, T, D, j, out + (j - j0));
 }
 
 // out[r][:] = sum_{j in [j0, j1)} w[r][j - j0] * m[j][:] for kR rows of weights (stride T) and
 // the rows of m ([T, D]); out rows have stride D.
+template <int NV>   // columns [c0, c0 + NV * kW)
+__attribute__((always_inline)) inline void WeightsByRowsTile(const float* w, const float* m, int64_t T, int64_t D,
+                                                             int64_t j0, int64_t j1, int64_t c0, float* out) {
+  vf acc[kR][NV] = {};
+  for (int64_t j = j0; j < j1; ++j) {
+    const float* mr = m + j * D + c0;
+    vf mv[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) mv[v] = Load(mr + kW * v);
+#pragma GCC unroll 4
+    for (int r = 0; r < kR; ++r) {
+      const vf x = Splat(w[r * T + (j - j0)]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) acc[r][v] += x * mv[v];
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < kR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) Store(out + r * D + c0 + kW * v, acc[r][v]);
+}
+
 __attribute__((always_inline)) inline void WeightsByRows(const float* w, const float* m, int64_t T, int64_t D,
                                                          int64_t j0, int64_t j1, float* out) {
   int64_t c0 = 0;
-  for (; c0 + kTile <= D; c0 += kTile) {
-    vf acc[kR][kC] = {};
-    for (int64_t j = j0; j < j1; ++j) {
-      const float* mr = m + j * D + c0;
-      vf mv[kC];
-#pragma GCC unroll 4
-      for (int v = 0; v < kC; ++v) mv[v] = Load(mr + kW * v);
-#pragma GCC unroll 4
-      for (int r = 0; r < kR; ++r) {
-        const vf x = Splat(w[r * T + (j - j0)]);
-#pragma GCC unroll 4
-        for (int v = 0; v < kC; ++v) acc[r][v] += x * mv[v];
-      }
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < kR; ++r)
-#pragma GCC unroll 4
-      for (int v = 0; v < kC; ++v) Store(out + r * D + c0 + kW * v, acc[r][v]);
-  }
-  for (; c0 < D; c0 += kW) {   // D is a multiple of 16, so of kW
-    vf acc[kR] = {};
-    for (int64_t j = j0; j < j1; ++j) {
-      const vf mv = Load(m + j * D + c0);
-#pragma GCC unroll 4
-      for (int r = 0; r < kR; ++r) acc[r] += Splat(w[r * T + (j - j0)]) * mv;
-    }
-#pragma GCC unroll 4
-    for (int r = 0; r < kR; ++r) Store(out + r * D + c0, acc[r]);
-  }
+  for (; c0 + kTile <= D; c0 += kTile) WeightsByRowsTile<kC>(w, m, T, D, j0, j1, c0, out);
+  for (; c0 < D; c0 += kW) WeightsByRowsTile<1>(w, m, T, D, j0, j1, c0, out);   // D is a multiple of kW
 }
 
 // acc[j][:] += sum_r w[r][j - j0] * x[r][:] for keys j in [j0, j1): the kR rows of x (stride
 // D), weights with stride T, acc [T, D].
+template <int NV>   // columns [c0, c0 + NV * kW)
+__attribute__((always_inline)) inline void AddOuterTile(const float* w, const float* x, int64_t T, int64_t D,
+                                                        int64_t j0, int64_t j1, int64_t c0, float* acc) {
+  vf xs[kR][NV];
+#pragma GCC unroll 4
+  for (int r = 0; r < kR; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) xs[r][v] = Load(x + r * D + c0 + kW * v);
+  for (int64_t j = j0; j < j1; ++j) {
+    float* ar = acc + j * D + c0;
+    vf a[NV];
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) a[v] = Load(ar + kW * v);
+#pragma GCC unroll 4
+    for (int r = 0; r < kR; ++r) {
+      const vf s = Splat(w[r * T + (j - j0)]);
+#pragma GCC unroll 4
+      for (int v = 0; v < NV; ++v) a[v] += s * xs[r][v];
+    }
+#pragma GCC unroll 4
+    for (int v = 0; v < NV; ++v) Store(ar + kW * v, a[v]);
+  }
+}
+
 __attribute__((always_inline)) inline void AddOuter(const float* w, const float* x, int64_t T, int64_t D,
                                                     int64_t j0, int64_t j1, float* acc) {
   int64_t c0 = 0;
-  for (; c0 + kTile <= D; c0 += kTile) {
-    vf xs[kR][kC];
-#pragma GCC unroll 4
-    for (int r = 0; r < kR; ++r)
-#pragma GCC unroll 4
-      for (int v = 0; v < kC; ++v) xs[r][v] = Load(x + r * D + c0 + kW * v);
-    for (int64_t j = j0; j < j1; ++j) {
-      float* ar = acc + j * D + c0;
-      vf a[kC];
-#pragma GCC unroll 4
-      for (int v = 0; v < kC; ++v) a[v] = Load(ar + kW * v);
-#pragma GCC unroll 4
-      for (int r = 0; r < kR; ++r) {
-        const vf s = Splat(w[r * T + (j - j0)]);
-#pragma GCC unroll 4
-        for (int v = 0; v < kC; ++v) a[v] += s * xs[r][v];
-      }
-#pragma GCC unroll 4
-      for (int v = 0; v < kC; ++v) Store(ar + kW * v, a[v]);
-    }
-  }
-  for (; c0 < D; c0 += kW) {
-    vf xs[kR];
-#pragma GCC unroll 4
-    for (int r = 0; r < kR; ++r) xs[r] = Load(x + r * D + c0);
-    for (int64_t j = j0; j < j1; ++j) {
-      float* ar = acc + j * D + c0;
-      vf a = Load(ar);
-#pragma GCC unroll 4
-      for (int r = 0; r < kR; ++r) a += Splat(w[r * T + (j - j0)]) * xs[r];
-      Store(ar, a);
-    }
-  }
+  for (; c0 + kTile <= D; c0 += kTile) AddOuterTile<kC>(w, x, T, D, j0, j1, c0, acc);
+  for (; c0 < D; c0 += kW) AddOuterTile<1>(w, x, T, D, j0, j1, c0, acc);
 }
 
 // The key range [j0, j1) the queries t0 .. t0 + kR - 1 of row mask m ([T, T]) read: from the

@@ -81,7 +81,8 @@ def table_peak(kind: str) -> DevicePeak | None:
     return None
 
 
-def _best_time(fn, *args, repeats: int = 3) -> float:
+def best_time(fn, *args, repeats: int = 3) -> float:
+    """Best wall seconds of ``fn(*args)`` over ``repeats`` calls after one warm-up call."""
     jax.block_until_ready(fn(*args))
     best = float("inf")
     for _ in range(repeats):
@@ -95,14 +96,14 @@ def measured_matmul_flops(n: int = 1024, dtype=jnp.float32, device: Any | None =
     """FLOP/s of an ``n x n @ n x n`` matmul in ``dtype`` on ``device`` (best of 3)."""
     dev = device or jax.devices()[0]
     a = jax.device_put(jnp.ones((n, n), dtype), dev)
-    return 2.0 * n ** 3 / _best_time(jax.jit(jnp.matmul), a, a)
+    return 2.0 * n ** 3 / best_time(jax.jit(jnp.matmul), a, a)
 
 
 def measured_read_bandwidth(nbytes: int = 256 << 20, device: Any | None = None) -> float:
     """Bytes/s of a reduction over an ``nbytes`` float32 array on ``device`` (best of 3)."""
     dev = device or jax.devices()[0]
     x = jax.device_put(jnp.ones((nbytes // 4,), jnp.float32), dev)
-    return nbytes / _best_time(jax.jit(jnp.sum), x)
+    return nbytes / best_time(jax.jit(jnp.sum), x)
 
 
 @functools.lru_cache(maxsize=None)
