@@ -36,7 +36,7 @@ class ModelSection:
     name: str = "smollm2-135m"          # registry name, HF directory, .gguf file or Hub id org/name
     revision: Optional[str] = None      # Hub branch, tag or commit of an org/name model; null = main
     dtype: str = "auto"                 # auto (float32 on CPU, bfloat16 on GPU/TPU) | float32 | bfloat16
-    remat: Optional[str] = None         # none | full | dots | dots_no_batch (true/false = full/none); null = auto
+    remat: Optional[str] = None         # none | full | keep_attention | dots | dots_no_batch (true/false = full/none); null = auto
     attention: str = "auto"             # auto | xla | cudnn | pallas | splash (marft_jax.models.attention)
     decode_attention: str = "auto"      # auto | xla | native: attention over the KV cache (marft_jax.models.cache_attention)
     causal_attention: str = "auto"      # auto | xla | native: whole-row attention under attention xla (marft_jax.models.causal_attention)
@@ -341,9 +341,9 @@ def _need(cfg: Config):
 def _check_model_team_rollout(cfg: Config, need) -> None:
     """``model.remat``, ``team.num_agents`` and the ``rollout`` section."""
     if cfg.model.remat is not None:
-        need("model.remat", str(cfg.model.remat).lower() in ("true", "false", "auto", "none", "full", "dots",
-                                                           "dots_no_batch"),
-             "one of none, full, dots, dots_no_batch (true = full, false = none) or null (auto)")
+        need("model.remat", str(cfg.model.remat).lower() in ("true", "false", "auto", "none", "full", "keep_attention",
+                                                           "dots", "dots_no_batch"),
+             "one of none, full, keep_attention, dots, dots_no_batch (true = full, false = none) or null (auto)")
     need("team.num_agents", cfg.team.num_agents >= 1, ">= 1")
     need("rollout.rows", cfg.rollout.rows >= 1, ">= 1")
     need("rollout.horizon", cfg.rollout.horizon >= 1, ">= 1")

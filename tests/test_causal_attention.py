@@ -96,6 +96,26 @@ def test_masked_key_blocks_are_skipped_exactly():
     _compare(q, k, v, mask, jnp.ones((b, t), bool), w)
 
 
+@pytest.mark.parametrize("nh,nkv", [(2, 1), (9, 3)])
+def test_backward_splits_a_row_at_its_segments(nh, nkv):
+    """One long packed row of units at multiples of SEGMENT_ALIGN (the segment-mode packing), one
+    unit with shared-prefix branches, one at an unaligned start, trailing padding: the backward
+    runs each run of segments as its own task (each alone writes its keys' dk / dv rows; with
+    few heads a row is split into several); gradients equal the XLA path's."""
+    t, a = 1000, causal_attention.SEGMENT_ALIGN
+    starts = [0, 64 * a // 4, 50 * a, 50 * a + 37, 170 * a, 230 * a]   # 50a + 37: not aligned
+    seg = np.zeros((1, t), np.int32)
+    for j, (s0, s1) in enumerate(zip(starts, starts[1:] + [960])):
+        seg[0, s0:s1] = j + 1
+    mask = np.array(attention_lib.segment_mask(jnp.asarray(seg)))
+    mask[:, 700:, 690:698] = False                                      # branches inside the fifth unit
+    mask = jnp.asarray(mask)
+    q, k, v, _, _, _ = _inputs(1, t, nh, nkv, 32, seed=11)
+    valid = mask.any(-1)
+    w = jnp.asarray(np.random.default_rng(5).normal(size=(1, t, nh, 32)), jnp.float32) * valid[:, :, None, None]
+    _compare(q, k, v, mask, valid, w)
+
+
 @pytest.mark.parametrize("isa", ["avx2", "portable"])
 def test_every_instruction_set_body(isa, tmp_path):
     """The kernel is compiled for AVX-512 (16 lanes), AVX2 + FMA (8) and portably (4: SSE2 /
@@ -106,9 +126,10 @@ def test_every_instruction_set_body(isa, tmp_path):
     script = textwrap.dedent("""
         import sys
         sys.path.insert(0, %r)
-        from tests.test_causal_attention import _compare, _inputs
+        from tests.test_causal_attention import _compare, _inputs, test_backward_splits_a_row_at_its_segments
         _compare(*_inputs(2, 100, 9, 3, 64, seed=1))
         _compare(*_inputs(3, 37, 6, 2, 48, seed=2))
+        test_backward_splits_a_row_at_its_segments(2, 1)
         print("ok")
     """ % os.getcwd())
     env = dict(os.environ, MARFT_JAX_CAUSAL_ATTENTION_ISA=isa, JAX_PLATFORMS="cpu")
@@ -176,6 +197,29 @@ def test_compiled_training_pass_has_the_ffi_and_no_blocked_dots():
         params).compile().as_text()
     assert causal_attention.FORWARD not in xla_hlo
     assert hlo.count(" dot(") < xla_hlo.count(" dot(")
+
+
+def test_keep_attention_remat_skips_the_kernel_forward_in_the_backward():
+    """``model.remat=keep_attention`` keeps the kernel's output and log-sum-exp: the compiled
+    value-and-gradient of a layer scan runs the forward kernel once (``full``: again in the
+    backward's recompute), with equal values and gradients; ``auto`` picks it for long rows."""
+    cfg = dataclasses.replace(_tiny(), causal_attention="native")
+    params = decoder.init_params(jax.random.key(0), cfg)
+    rng = np.random.default_rng(1)
+    toks = jnp.asarray(rng.integers(3, 97, (2, 96)), jnp.int32)
+    valid = jnp.asarray(np.arange(96) >= rng.integers(0, 30, (2, 1)))
+    out = {}
+    for remat in ("full", "keep_attention"):
+        f = jax.jit(jax.value_and_grad(lambda p: jnp.sum(decoder.forward(p, toks, valid, cfg=cfg, remat=remat)[0] ** 2)))
+        calls = f.lower(params).compile().as_text().count(f'custom_call_target="{causal_attention.FORWARD}"')
+        out[remat] = (calls, f(params))
+    assert out["full"][0] == 2 and out["keep_attention"][0] == 1
+    np.testing.assert_allclose(float(out["keep_attention"][1][0]), float(out["full"][1][0]), rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(out["keep_attention"][1][1]), jax.tree.leaves(out["full"][1][1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5 * float(jnp.max(jnp.abs(b))) + 1e-7)
+    assert decoder.resolve_remat(None, decoder.REMAT_AUTO_LEN) == "keep_attention"
+    assert decoder.resolve_remat("auto", decoder.REMAT_AUTO_LEN - 1) == "none"
+    assert decoder.resolve_remat(True, 10) == "full"
 
 
 def test_resolve(monkeypatch):

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from marft_jax.models import decoder, logprobs
+from marft_jax.models import causal_attention, decoder, logprobs
 from marft_jax.config import AlgoConfig, LoraConfig, OptimConfig, PPOConfig
 from marft_jax.models.config import ModelConfig
 from marft_jax.models.lora import init_lora
@@ -134,14 +135,14 @@ def test_packed_logprobs_equal_padded():
         np.testing.assert_allclose(np.asarray(ent), np.asarray(ref_ent), atol=2e-5)
 
 
-def _update_setup(level, seed=0, S=2, B=4, N=2, L=10, K=5):
+def _update_setup(level, seed=0, S=2, B=4, N=2, L=10, K=5, cfg=CFG):
     rng = np.random.default_rng(seed)
-    base = decoder.init_params(jax.random.key(seed), CFG, std=0.3)
+    base = decoder.init_params(jax.random.key(seed), cfg, std=0.3)
     optim = OptimConfig(policy_lr=3e-2, critic_lr=1e-2, eps=1e-3)
-    state = init_train_state(jax.random.key(seed + 1), CFG, LoraConfig(rank=4), N, optim)
-    ctx = rng.integers(1, CFG.vocab_size, (S, B, N, L)).astype(np.int32)
+    state = init_train_state(jax.random.key(seed + 1), cfg, LoraConfig(rank=4), N, optim)
+    ctx = rng.integers(1, cfg.vocab_size, (S, B, N, L)).astype(np.int32)
     cv = np.arange(L) >= rng.integers(0, L - 2, (S, B, N, 1))
-    act = rng.integers(1, CFG.vocab_size, (S, B, N, K)).astype(np.int32)
+    act = rng.integers(1, cfg.vocab_size, (S, B, N, K)).astype(np.int32)
     lens = rng.integers(1, K + 1, (S, B, N))
     av = np.arange(K) < lens[..., None]
     cv[1, 0] = False                                     # an unplayed step of row 0
@@ -150,7 +151,7 @@ def _update_setup(level, seed=0, S=2, B=4, N=2, L=10, K=5):
     logp_old = np.where(av, -rng.uniform(2, 5, av.shape), 0).astype(np.float32)
     adv = np.where(dp, rng.normal(size=dp.shape), 0).astype(np.float32)
     ret = np.where(dp, rng.normal(size=dp.shape), 0).astype(np.float32)
-    feats = rng.normal(size=dp.shape + (CFG.hidden_size,)).astype(np.float32)
+    feats = rng.normal(size=dp.shape + (cfg.hidden_size,)).astype(np.float32)
     batch = UpdateBatch(ctx_tokens=jnp.asarray(ctx), ctx_valid=jnp.asarray(cv), act_tokens=jnp.asarray(act),
                         act_valid=jnp.asarray(av), logp_old=jnp.asarray(logp_old), adv=jnp.asarray(adv),
                         ret=jnp.asarray(ret), v_old=jnp.zeros(dp.shape), dp_mask=jnp.asarray(dp),
@@ -184,6 +185,64 @@ def test_packed_update_equals_padded(level, classes, L):
     for a, b in zip(jax.tree.leaves(ref_met), jax.tree.leaves(met)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4, rtol=1e-4)
     assert not np.allclose(np.asarray(jax.tree.leaves(state.lora)[0]), np.asarray(jax.tree.leaves(new_state.lora)[0]))
+
+
+def test_segment_mode_packs_units_end_to_end():
+    """With attention that skips other segments' keys (the native whole-row kernel) a shape costs
+    its slots: the reference workload's four ~1,000-1,500-token units per group share one row
+    instead of padding four rows to the longest; units start at multiples of segment_align; row
+    lengths snap to sixteenth steps, stay within max_row_len, and a shape one step larger is reused."""
+    groups = [[1480, 1300, 1250, 1030], [1400, 1390, 1100, 900]]
+    dense = packing.ShapePolicy(attention_cost=1 / 1500).choose(groups)
+    seg = packing.ShapePolicy(attention_cost=1 / 1500, segment_attention=True, segment_align=4)
+    shape = seg.choose(groups)
+    assert shape == ((1, 5120),)                      # 1,480 + 1,300 + 1,252 + 1,032 = 5,064 -> 5,120
+    assert packing.shape_slots(dense) > packing.shape_slots(shape)    # dense: rows of 1,056 + 1,280 + 2 x 1,504
+    assert packing.shape_slots(shape) <= 1.05 * max(sum(seg.slots_of(g)) for g in groups)
+    assert seg.choose([[1500, 1400, 1200, 900]]) == shape            # fits: reused
+    assert seg.choose([[1280, 1280, 1280, 1280]]) == shape            # exactly full
+    bigger = seg.choose([[1504, 1504, 1504, 1000]])                  # 5,512 slots: the next grid step
+    assert bigger == ((1, packing.snap_row_len(5512)),) and bigger[0][1] <= 5512 * 17 / 16
+    assert seg.choose([[1500, 1400]]) == ((1, 2944),)                 # half the slots: a fresh shape
+    long = seg.choose([[1000] * 20])
+    assert all(t <= seg.max_row_len for _, t in long) and packing.shape_slots(long) < 1.07 * 20000
+    seqs = [np.arange(n, dtype=np.int32) + 1 for n in (37, 50, 23, 64)]
+    pol = packing.ShapePolicy(segment_attention=True, segment_align=4)
+    rows, gather = packing.pack_group(seqs, [0] * 4, 1, pol.choose([[len(x) for x in seqs]]), segment_align=4)
+    (r,) = rows
+    seg_ids = r.segment_ids.ravel()
+    starts = [int(np.flatnonzero(seg_ids == j + 1)[0]) for j in range(4)]
+    assert all(s0 % 4 == 0 for s0 in starts) and r.tokens.shape[0] == 1
+    for j, x in enumerate(seqs):
+        np.testing.assert_array_equal(r.tokens.ravel()[seg_ids == j + 1], x)
+    assert [packing.snap_row_len(n) for n in (1, 33, 1000, 1504, 4097, 5058)] == [32, 64, 1024, 1536, 4352, 5120]
+
+
+@pytest.mark.skipif(not causal_attention.status().available, reason="native kernel unavailable")
+def test_segment_mode_update_with_native_attention_equals_padded():
+    """The packed update in segment mode (units end to end in one row per group, the native
+    kernel's attention, its backward split at the units) equals the padded update on XLA."""
+    cfg_xla = dataclasses.replace(CFG, head_dim=16)
+    cfg_native = dataclasses.replace(cfg_xla, causal_attention="native")
+    base, state, batch, optim = _update_setup("action", L=40, cfg=cfg_xla)
+    ucfg = UpdateConfig(algo=AlgoConfig(level="action"), optim=optim,
+                        ppo=PPOConfig(kl_stop=None, ent_coef=0.01, epochs=1, num_minibatches=1, micro_batches=1))
+    mask, flag = jnp.ones((2,), bool), jnp.asarray(True)
+    copy = lambda t: jax.tree.map(jnp.copy, t)
+    ref_state, ref_met = ppo_update(base, copy(state), batch, mask, flag, cfg=cfg_xla, ucfg=ucfg)
+    perms = packing.minibatch_perms(state.rng, 4, 1, 1)
+    host = jax.tree.map(np.asarray, batch)
+    policy = packing.ShapePolicy(segment_attention=True, segment_align=causal_attention.SEGMENT_ALIGN)
+    packed, stats = packing.pack_update(host.ctx_tokens, host.ctx_valid, host.act_tokens, host.act_valid, perms,
+                                        micro_batches=1, policy=policy)
+    assert len(stats["shape"]) == 1 and stats["shape"][0][0] == 1            # one row per group
+    assert stats["computed_tokens"] <= 1.1 * stats["valid_tokens"] + 2 * 32
+    new_state, met = ppo_update(base, copy(state), batch.replace(ctx_tokens=None, ctx_valid=None), mask, flag,
+                                cfg=cfg_native, ucfg=ucfg, packed=jax.tree.map(jnp.asarray, packed))
+    for a, b in zip(jax.tree.leaves(ref_state.lora), jax.tree.leaves(new_state.lora)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    for a, b in zip(jax.tree.leaves(ref_met), jax.tree.leaves(met)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4, rtol=1e-4)
 
 
 def test_pack_update_rejects_bad_micro_batches():

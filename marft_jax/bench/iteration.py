@@ -101,7 +101,7 @@ class Workload:
     agent0_context: tuple[int, int] | None = None
 
 
-_COMMON = ("model.dtype=float32", "model.remat=true", "algo.level=action", "ppo.epochs=1",
+_COMMON = ("model.dtype=float32", "model.remat=auto", "algo.level=action", "ppo.epochs=1",
            "ppo.num_minibatches=1", "ppo.micro_batches=1", "rollout.temperature=0.5", "rollout.top_k=50",
            "rollout.top_p=1.0", "rollout.prompt_format=g1_raw", "rollout.mode=sequential",
            "team.num_agents=2", "train.scoring_workers=0", "train.iterations=1")
@@ -299,7 +299,10 @@ def ours_prepare_update_work(mcfg, traj, m: dict, adv_cfg, update_cfg) -> tuple[
     recompute = adv_cfg.ppo.logp_old == "recompute"
     epochs = update_cfg.ppo.epochs
     happo = (N - 1) / N if update_cfg.happo_weighting else 0.0
-    remat = 0.0 if resolve_remat(update_cfg.remat, int(seq_mean)) == "none" else 1.0
+    policy = resolve_remat(update_cfg.remat, int(seq_mean))
+    remat = 0.0 if policy == "none" else 1.0
+    if policy == "keep_attention" and mcfg.causal_attention == "native":   # the recompute skips attention
+        remat = (mcfg.flops_per_token(0) - head) / body
     valid = int(ctx_len.sum() + act_len.sum())
     source = "metrics"
     prep = (m.get("perf/tokens/prepare/valid"), m.get("perf/tokens/prepare/computed"))

@@ -386,7 +386,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     p.add_argument("--act", type=int, default=128, help="action length K")
     p.add_argument("--repeats", type=int, default=3, help="timed updates per side (median)")
     p.add_argument("--chunk", type=int, default=128, help="log-prob chunk (positions)")
-    p.add_argument("--remat", action="store_true", help="ours: rematerialize decoder blocks")
+    p.add_argument("--remat", nargs="?", const="full", default=False, choices=list(decoder.REMAT_POLICIES),
+                   help="ours: rematerialize decoder blocks (alone: full; or a model.remat policy name)")
     p.add_argument("--causal-attention", default="auto", choices=["auto", "xla", "native"],
                    help="ours: whole-row attention (model.causal_attention)")
     p.add_argument("--no-happo", action="store_true", help="ours: happo_weighting off")

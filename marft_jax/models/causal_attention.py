@@ -23,6 +23,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 import numpy as np
 
 from marft_jax import native_build
@@ -33,6 +34,12 @@ SOURCE = Path(__file__).with_name("causal_attention_kernel.cc")
 FLAGS = native_build.BASE_FLAGS
 FORWARD, BACKWARD = "marft_causal_attention_fwd", "marft_causal_attention_bwd"
 ROW_MULTIPLE = 16     # the kernel's rows are padded to a multiple of this (keys read 16 at a time)
+# Segments of a packed row that start at multiples of this are separate tasks of the backward
+# (the queries of one 4-query block belong to one task).
+SEGMENT_ALIGN = 4
+# The forward's output and log-sum-exp, named for remat policies (model.remat=keep_attention keeps
+# them, so a rematerialized block's backward does not run the attention forward again).
+SAVED_NAMES = ("causal_attention_out", "causal_attention_lse")
 
 _library = native_build.Library(SOURCE, FLAGS, {FORWARD: "MarftCausalAttentionFwd",
                                                 BACKWARD: "MarftCausalAttentionBwd"})
@@ -118,6 +125,7 @@ def _attend(qg, k, v, mask):
 
 def _attend_fwd(qg, k, v, mask):
     o, lse = _forward_call(qg, k, v, mask)
+    o, lse = checkpoint_name(o, SAVED_NAMES[0]), checkpoint_name(lse, SAVED_NAMES[1])
     return o, (qg, k, v, mask, o, lse)
 
 

@@ -47,6 +47,13 @@ struct Dims {
   int64_t B, KV, G, T, D;
 };
 
+// The keys [j0, j1) a block of kR queries reads: from the first key any of them may see
+// (`first`, rounded down to 16) to the block's end (rounded up to 16); j0 == j1 (== first)
+// when none may see any. The backward writes dk / dv rows [first, block end) only.
+struct KeyRange {
+  int64_t j0, j1, first;
+};
+
 }  // namespace
 
 // The kernel body below, compiled three times: for AVX-512, for AVX2 + FMA and portably (the
@@ -150,6 +157,62 @@ ffi::Error CheckCommon(const Dims& n, ffi::Span<const int64_t> kt, ffi::Span<con
 
 constexpr int64_t kQueryChunk = 128;  // queries per forward task
 
+// Every block's KeyRange, [B, T / kR], from the mask rows (memchr: the scan up to a later
+// segment's first key is a few bytes a cycle). Once per call: every head reads the same mask.
+std::vector<KeyRange> KeyRanges(const bool* mask, int64_t B, int64_t T) {
+  std::vector<KeyRange> out(B * (T / kR));
+  for (int64_t b = 0; b < B; ++b) {
+    const bool* m = mask + b * T * T;
+    for (int64_t t0 = 0; t0 < T; t0 += kR) {
+      const int64_t end = std::min<int64_t>(T, (t0 + kR + 15) / 16 * 16);
+      int64_t first = end;
+      for (int r = 0; r < kR; ++r) {
+        const bool* row = m + (t0 + r) * T;
+        const void* hit = std::memchr(row, 1, std::min(first, t0 + r + 1));
+        if (hit) first = static_cast<const bool*>(hit) - row;
+      }
+      out[b * (T / kR) + t0 / kR] = first >= end ? KeyRange{end, end, end} : KeyRange{first / 16 * 16, end, first};
+    }
+  }
+  return out;
+}
+
+// The backward's query spans [begin, end) of each row: cut between blocks where no later
+// query sees a key before the cut (a packed row's segments, when they start at multiples of
+// kR), merged into pieces of about `pieces`-th of the row's work (keys read), so that each
+// piece alone writes its keys' dk / dv rows.
+struct Span {
+  int64_t b, begin, end;
+};
+
+std::vector<Span> Spans(const std::vector<KeyRange>& ranges, int64_t B, int64_t T, int64_t pieces) {
+  std::vector<Span> out;
+  const int64_t blocks = T / kR;
+  std::vector<int64_t> reach(blocks + 1);   // reach[i]: the least j0 of the blocks i, i + 1, ...
+  for (int64_t b = 0; b < B; ++b) {
+    const KeyRange* rr = ranges.data() + b * blocks;
+    reach[blocks] = T;
+    int64_t work = 0;
+    for (int64_t i = blocks - 1; i >= 0; --i) {
+      reach[i] = std::min(reach[i + 1], rr[i].first);
+      work += rr[i].j1 - rr[i].j0;
+    }
+    const int64_t target = std::max<int64_t>(1, work / std::max<int64_t>(pieces, 1));
+    int64_t begin = 0, acc = 0;
+    for (int64_t i = 0; i < blocks; ++i) {
+      acc += rr[i].j1 - rr[i].j0;
+      const int64_t cut = (i + 1) * kR;   // a cut after block i
+      if (cut < T && reach[i + 1] >= cut && acc >= target) {
+        out.push_back({b, begin, cut});
+        begin = cut;
+        acc = 0;
+      }
+    }
+    out.push_back({b, begin, T});
+  }
+  return out;
+}
+
 ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kt,
                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::PRED> mask, ffi::ResultBuffer<ffi::F32> o,
                        ffi::ResultBuffer<ffi::F32> lse) {
@@ -167,12 +230,14 @@ ffi::Error ForwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   const bool* mp = reinterpret_cast<const bool*>(mask.typed_data());
   float* op = o->typed_data();
   float* lp = lse->typed_data();
+  auto ranges = std::make_shared<const std::vector<KeyRange>>(KeyRanges(mp, n.B, n.T));
+  const KeyRange* rp = ranges->data();
   // later chunks first: they hold the most keys, so the tail of the queue is the short ones
   const auto forward = Chosen().forward;
-  RunTasks(pool, n.B * n.KV * n.G * chunks, [n, chunks, qp, ktp, vp, mp, op, lp, forward](int64_t i) {
+  RunTasks(pool, n.B * n.KV * n.G * chunks, [n, chunks, qp, ktp, vp, mp, rp, ranges, op, lp, forward](int64_t i) {
     const int64_t c = chunks - 1 - i % chunks, rest = i / chunks;
     const int64_t g = rest % n.G, h = (rest / n.G) % n.KV, b = rest / (n.G * n.KV);
-    forward(n, b, h, g, c * kQueryChunk, std::min(n.T, (c + 1) * kQueryChunk), qp, ktp, vp, mp, op, lp);
+    forward(n, b, h, g, c * kQueryChunk, std::min(n.T, (c + 1) * kQueryChunk), qp, ktp, vp, mp, rp, op, lp);
   });
   return ffi::Error::Success();
 }
@@ -197,9 +262,17 @@ ffi::Error BackwardImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buff
   const bool* mp = reinterpret_cast<const bool*>(mask.typed_data());
   float *dqp = dq->typed_data(), *dkpp = dkp->typed_data(), *dvpp = dvp->typed_data();
   const auto backward = Chosen().backward;
-  RunTasks(pool, n.B * n.KV * n.G, [=](int64_t i) {
-    const int64_t g = i % n.G, h = (i / n.G) % n.KV, b = i / (n.G * n.KV);
-    backward(n, b, h, g, qp, ktp, kp, vtp, mp, opp, lp, dop, dqp, dkpp, dvpp);
+  auto ranges = std::make_shared<const std::vector<KeyRange>>(KeyRanges(mp, n.B, n.T));
+  const KeyRange* rp = ranges->data();
+  // Enough pieces per row for every thread to have about four tasks, where the row allows.
+  const int64_t heads = n.B * n.KV * n.G;
+  const int64_t pieces = (4 * (std::max<int64_t>(pool.num_threads(), 0) + 1) + heads - 1) / heads;
+  auto spans = std::make_shared<const std::vector<Span>>(Spans(*ranges, n.B, n.T, pieces));
+  const int64_t per_head = static_cast<int64_t>(spans->size());   // spans of all rows
+  RunTasks(pool, per_head * n.KV * n.G, [=, keep = ranges](int64_t i) {
+    const Span& sp = (*spans)[i % per_head];
+    const int64_t g = (i / per_head) % n.G, h = i / (per_head * n.G);
+    backward(n, sp.b, h, g, sp.begin, sp.end, qp, ktp, kp, vtp, mp, rp, opp, lp, dop, dqp, dkpp, dvpp);
   });
   return ffi::Error::Success();
 }
@@ -381,26 +454,10 @@ __attribute__((always_inline)) inline void AddOuter(const float* w, const float*
   for (; c0 < D; c0 += kW) AddOuterTile<1>(w, x, T, D, j0, j1, c0, acc);
 }
 
-// The key range [j0, j1) the queries t0 .. t0 + kR - 1 of row mask m ([T, T]) read: from the
-// first key any of them may see (rounded down to 16) to the block's end (rounded up to 16);
-// j0 == j1 when none may see any.
-inline void KeyRange(const bool* m, int64_t T, int64_t t0, int64_t* j0, int64_t* j1) {
-  const int64_t end = std::min<int64_t>(T, (t0 + kR + 15) / 16 * 16);
-  int64_t first = end;
-  for (int r = 0; r < kR; ++r) {
-    const bool* row = m + (t0 + r) * T;
-    const bool* stop = row + std::min(first, t0 + r + 1);
-    const bool* hit = std::find(row, stop, true);
-    if (hit != stop) first = hit - row;
-  }
-  *j0 = first >= end ? end : first / 16 * 16;
-  *j1 = end;
-}
-
 // One task of the forward: queries [t_begin, t_end) of (row b, kv head h, query head g).
 void ForwardTask(
     const Dims& n, int64_t b, int64_t h, int64_t g, int64_t t_begin, int64_t t_end, const float* q,
-    const float* kt, const float* v, const bool* mask, float* o, float* lse) {
+    const float* kt, const float* v, const bool* mask, const KeyRange* ranges, float* o, float* lse) {
   const int64_t T = n.T, D = n.D;
   thread_local std::vector<float> buf;
   if (buf.size() < static_cast<size_t>(kR * T)) buf.resize(kR * T);
@@ -412,9 +469,9 @@ void ForwardTask(
   const bool* mr = mask + b * T * T;
   float* orow = o + row * T * D;
   float* lrow = lse + row * T;
+  const KeyRange* rr = ranges + b * (T / kR);
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kR) {
-    int64_t j0, j1;
-    KeyRange(mr, T, t0, &j0, &j1);
+    const int64_t j0 = rr[t0 / kR].j0, j1 = rr[t0 / kR].j1;
     float inv[kR];
     if (j0 < j1) {
       RowsByCols(qr + t0 * D, ktr, T, D, j0, j1, s);
@@ -449,12 +506,13 @@ void ForwardTask(
   }
 }
 
-// One task of the backward: every query of (row b, kv head h, query head g); writes dq for
-// them and this query head's share of dk, dv (dkp, dvp: zeroed here).
+// One task of the backward: the queries [t_begin, t_end) of (row b, kv head h, query head g),
+// a span no other query sees into (Spans); writes dq for them and this query head's share of
+// dk, dv over the span's keys (zeroed here).
 void BackwardTask(
-    const Dims& n, int64_t b, int64_t h, int64_t g, const float* q, const float* kt, const float* k,
-    const float* vt, const bool* mask, const float* o, const float* lse, const float* dout, float* dq,
-    float* dkp, float* dvp) {
+    const Dims& n, int64_t b, int64_t h, int64_t g, int64_t t_begin, int64_t t_end, const float* q,
+    const float* kt, const float* k, const float* vt, const bool* mask, const KeyRange* ranges, const float* o,
+    const float* lse, const float* dout, float* dq, float* dkp, float* dvp) {
   const int64_t T = n.T, D = n.D;
   thread_local std::vector<float> buf;
   if (buf.size() < static_cast<size_t>(2 * kR * T)) buf.resize(2 * kR * T);
@@ -472,11 +530,11 @@ void BackwardTask(
   float* dqr = dq + row * T * D;
   float* dk = dkp + row * T * D;
   float* dv = dvp + row * T * D;
-  std::memset(dk, 0, sizeof(float) * T * D);
-  std::memset(dv, 0, sizeof(float) * T * D);
-  for (int64_t t0 = 0; t0 < T; t0 += kR) {
-    int64_t j0, j1;
-    KeyRange(mr, T, t0, &j0, &j1);
+  std::memset(dk + t_begin * D, 0, sizeof(float) * (t_end - t_begin) * D);
+  std::memset(dv + t_begin * D, 0, sizeof(float) * (t_end - t_begin) * D);
+  const KeyRange* rr = ranges + b * (T / kR);
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kR) {
+    const int64_t j0 = rr[t0 / kR].j0, j1 = rr[t0 / kR].j1;
     if (j0 >= j1) {
       std::memset(dqr + t0 * D, 0, sizeof(float) * kR * D);
       continue;
@@ -499,8 +557,10 @@ void BackwardTask(
       }
     }
     WeightsByRows(ds, kr, T, D, j0, j1, dqr + t0 * D);   // dQ = dS K
-    AddOuter(ds, qr + t0 * D, T, D, j0, j1, dk);           // dK += dS^T Q
-    AddOuter(p, dor + t0 * D, T, D, j0, j1, dv);           // dV += P^T dO
+    // dK += dS^T Q, dV += P^T dO over the keys these queries see: [first, t0 + kR)
+    const int64_t a = rr[t0 / kR].first, e = std::min(j1, t0 + kR);
+    AddOuter(ds + (a - j0), qr + t0 * D, T, D, a, e, dk);
+    AddOuter(p + (a - j0), dor + t0 * D, T, D, a, e, dv);
   }
 }
 

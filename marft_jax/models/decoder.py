@@ -452,6 +452,9 @@ REMAT_AUTO_LEN = 512  # remat auto (None) recomputes blocks from this row length
 REMAT_POLICIES = {
     "none": None,                                        # keep everything (no jax.checkpoint)
     "full": jax.checkpoint_policies.nothing_saveable,    # keep the block inputs, recompute the block
+    # full, but keep the native whole-row attention's output and log-sum-exp (585 floats a token at
+    # SmolLM2's heads): the backward skips the attention forward; equals full under XLA's attention
+    "keep_attention": jax.checkpoint_policies.save_only_these_names(*causal_attention.SAVED_NAMES),
     "dots": jax.checkpoint_policies.checkpoint_dots,     # keep every matmul output
     # keep the projections' and MLP's outputs, recompute attention (its [T, T] scores are batched dots)
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
@@ -462,7 +465,9 @@ def resolve_remat(remat: bool | str | None, seq_len: int) -> str:
     """The :data:`REMAT_POLICIES` name a ``seq_len``-slot forward uses.
 
     ``remat``: a policy name, ``True`` (``full``), ``False`` (``none``) or ``None`` / ``"auto"``:
-    ``full`` from :data:`REMAT_AUTO_LEN` slots up, else ``none``. On XLA:CPU ``full`` costs no
+    ``keep_attention`` from :data:`REMAT_AUTO_LEN` slots up, else ``none`` (``keep_attention`` is
+    ``full`` that keeps the native whole-row attention's outputs, so the backward does not run
+    that kernel's forward again; without the kernel it is ``full``). On XLA:CPU ``full`` costs no
     time there (SmolLM2-135M, 6 x 448-slot rows: 13.6 s with, 14.3 s without: saving the
     activations is memory-bound) and the per-layer ``[rows, heads, T, T]`` attention buffers a
     backward keeps dominate memory (the reference workload planned ~100 GiB without it). On
@@ -470,7 +475,7 @@ def resolve_remat(remat: bool | str | None, seq_len: int) -> str:
     (:meth:`marft_jax.train.iteration.TeamLearner.check_update_memory`).
     """
     if remat is None or remat == "auto":
-        return "full" if seq_len >= REMAT_AUTO_LEN else "none"
+        return "keep_attention" if seq_len >= REMAT_AUTO_LEN else "none"
     if isinstance(remat, bool):
         return "full" if remat else "none"
     if remat not in REMAT_POLICIES:

@@ -177,6 +177,14 @@ class ShapePolicy:
     and it costs at most ``reuse_slack`` times the best fresh shape; otherwise the fresh shape is
     adopted (one more compile). ``minimum_row_len`` keeps tiny batches from compiling many
     small shapes.
+
+    ``segment_attention``: the attention skips the keys of other segments (the CPU's native
+    whole-row kernel, :mod:`marft_jax.models.causal_attention`), so each unit pays its own
+    length² wherever it sits and a shape costs its slots alone: rows hold as many units as fit,
+    up to ``max_row_len`` slots (the row's ``[T, T]`` mask), units start at multiples of
+    ``segment_align`` (where the kernel's backward may split a row), and row lengths snap to a
+    grid of sixteenth steps (:func:`snap_row_len`) with a reuse slack of one step, so a run
+    compiles a few shapes and pads a few percent.
     """
 
     reuse_slack: float = 1.25
@@ -189,11 +197,22 @@ class ShapePolicy:
     max_candidates: int = 24
     # Every class's rows are a multiple of this (the data shards the rows are split over).
     row_multiple: int = 1
+    segment_attention: bool = False
+    segment_align: int = 1
+    max_row_len: int = 8192
     seen: list[Shape] = dataclasses.field(default_factory=list)
 
     def row_cost(self, rows: int, row_len: int) -> float:
-        """Relative work of a ``[rows, row_len]`` packed forward (linear layers + dense attention)."""
+        """Relative work of a ``[rows, row_len]`` packed forward (linear layers + dense attention;
+        with ``segment_attention`` the slots alone)."""
+        if self.segment_attention:
+            return float(rows * row_len)
         return rows * row_len * (1.0 + row_len * self.attention_cost)
+
+    def slots_of(self, lengths) -> np.ndarray:
+        """The slots units of ``lengths`` tokens take in a row (rounded up to ``segment_align``)."""
+        a = self.segment_align
+        return -(-np.asarray(lengths, np.int64) // a) * a
 
     def cost(self, shape: Shape) -> float:
         return sum(self.row_cost(r, t) for r, t in shape)
@@ -225,7 +244,12 @@ class ShapePolicy:
             own = sorted({own[int(round(q))] for q in np.linspace(0, len(own) - 1, self.max_candidates)})
         top = {align(base * f) for f in self.row_len_factors}
         top |= {max(base, align(-(-total // r))) for r in range(1, self.max_split + 1)}
-        return sorted(set(own) | top)
+        cands = set(own) | top
+        if self.segment_attention:
+            cap = max(self.max_row_len, snap_row_len(base))
+            cands = {snap_row_len(t) for t in cands} | {snap_row_len(base)}
+            cands = {t for t in cands if t <= cap}
+        return sorted(cands)
 
     def _fresh(self, groups: Sequence[Sequence[int]]) -> Shape:
         """The cheapest shape of at most ``max_classes`` classes (lower-bound rows, then exact)."""
@@ -276,9 +300,12 @@ class ShapePolicy:
         return min(options)[1]
 
     def choose(self, groups: Sequence[Sequence[int]]) -> Shape:
-        """The :data:`Shape` for packing every group of sequence lengths."""
+        """The :data:`Shape` for packing every group of sequence lengths (unit tokens; each
+        takes :meth:`slots_of` slots)."""
+        groups = [self.slots_of(g).tolist() for g in groups]
         fresh = self._fresh(groups)
-        limit = self.reuse_slack * self.cost(fresh)
+        slack = min(self.reuse_slack, 1.0 + 1.0 / SNAP_STEPS) if self.segment_attention else self.reuse_slack
+        limit = slack * self.cost(fresh)
         fitting = [(self.cost(s), s) for s in self.seen if self.fits(groups, s) and self._aligned(s)]
         if fitting and min(fitting)[0] <= limit:
             return min(fitting)[1]
@@ -301,6 +328,18 @@ class ShapePolicy:
         return all(r % self.row_multiple == 0 for r, _ in shape)
 
 
+SNAP_STEPS = 16   # segment-mode row lengths: 16 steps per power of two
+
+
+def snap_row_len(n: int) -> int:
+    """``n`` rounded up to the grid of :data:`SNAP_STEPS` steps per power of two (multiples of
+    :data:`ROW_ALIGN`): at most a sixteenth above ``n``; 5,058 -> 5,120."""
+    n = align(n)
+    octave = int(n).bit_length() - 1                      # 2**octave <= n
+    step = max(ROW_ALIGN, 1 << max(0, octave - (SNAP_STEPS.bit_length() - 1)))
+    return -(-n // step) * step
+
+
 def attention_cost_of(cfg) -> float:
     """FLOPs of one query-key pair (scores + weighted values, every layer) over one token's
     FLOPs in the linear layers (projections and MLP, every layer) for a ``ModelConfig``."""
@@ -310,8 +349,8 @@ def attention_cost_of(cfg) -> float:
 
 
 def pack_group(seqs: Sequence[np.ndarray], read_start: Sequence[int], read_count: int, shape: Shape,
-               pad_id: int = 0, units: Sequence[Unit] | None = None, *, branches: bool = True
-               ) -> tuple[tuple[PackedRows, ...], np.ndarray]:
+               pad_id: int = 0, units: Sequence[Unit] | None = None, *, branches: bool = True,
+               segment_align: int = 1) -> tuple[tuple[PackedRows, ...], np.ndarray]:
     """Pack one group of token sequences into the classes of ``shape``.
 
     Args:
@@ -323,6 +362,8 @@ def pack_group(seqs: Sequence[np.ndarray], read_start: Sequence[int], read_count
       branches: emit ``branch_ids`` (shared prefixes). False: ``branch_ids`` is None, so the
         forward needs no dense mask and runs on the segment-id kernels (Pallas, splash); the units
         must then have no branches (built without chains).
+      segment_align: units start at multiples of this (:attr:`ShapePolicy.segment_align`; the
+        shape must have been chosen with it).
     Returns:
       ``(one PackedRows of NumPy [rows_c, row_len_c] per class, gather [n, P] int32)``: flat
       indices into the classes' slots laid end to end (class ``c`` from ``Σ_{c'<c} rows·row_len``;
@@ -334,7 +375,7 @@ def pack_group(seqs: Sequence[np.ndarray], read_start: Sequence[int], read_count
     if not branches and any(u.branch.any() for u in units):
         raise ValueError("pack_group(branches=False) got units with shared-prefix branches")
     lengths = np.asarray([len(u.tokens) for u in units], np.int64)
-    placed = place_classes(lengths, shape)
+    placed = place_classes(-(-lengths // segment_align) * segment_align, shape)
     if placed is None:
         raise ValueError(f"sequences of {sorted(lengths.tolist(), reverse=True)} tokens do not fit the packed "
                          f"shape {format_shape(shape)}")
@@ -535,7 +576,8 @@ def pack_update(ctx_tokens: np.ndarray, ctx_valid: np.ndarray, act_tokens: np.nd
         s_idx, b_idx = group_members(*k)
         seqs, units = groups[k]
         starts = np.maximum(n_ctx[s_idx, b_idx, i] - 1, 0)
-        classes, g = pack_group(seqs, starts, K, shape, pad_id, units=units, branches=share)
+        classes, g = pack_group(seqs, starts, K, shape, pad_id, units=units, branches=share,
+                                segment_align=policy.segment_align)
         for dst, src, (r, _) in zip(rows, classes, shape):
             sl = slice(v * r, (v + 1) * r)
             for name in names:

@@ -135,7 +135,8 @@ class TeamLearner:
         return metrics_lib.role_names(self.team.num_agents, self.team.roles)
 
     def __post_init__(self) -> None:
-        self.run_state.configure(self.cfg, self.placement.row_shards)
+        self.run_state.configure(self.cfg, self.placement.row_shards,
+                                 self.adv_cfg.tokens_per_call if self.adv_cfg is not None else None)
 
     def play(self, state: TrainState, problems: Sequence[Problem], key,
              sampling: SamplingConfig | RolloutConfig | None = None):

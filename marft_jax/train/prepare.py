@@ -239,7 +239,8 @@ def feature_inputs(traj: Trajectory, *, token_level: bool, tokens_per_call: int,
     per_call = [_per_call(r, t, tokens_per_call, m) for r, t in chosen]
     shape = tuple((-(-r // p) * p, t) for (r, t), p in zip(chosen, per_call))
     read = K if token_level else 1
-    classes, gather = packing.pack_group(seqs, np.maximum(n_ctx - 1, 0), read, shape, units=units, branches=share)
+    classes, gather = packing.pack_group(seqs, np.maximum(n_ctx - 1, 0), read, shape, units=units, branches=share,
+                                         segment_align=policy.segment_align)
     calls = tuple(_place_rows(placement, _calls(rows, p), 1) for rows, p in zip(classes, per_call))
     gather = _upload(placement, gather)
     stats = {"valid_tokens": int(sum(len(x) for x in seqs)), "unique_tokens": int(sum(len(u.tokens) for u in units)),

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from marft_jax.models import causal_attention
 from marft_jax.models.config import ModelConfig
 from marft_jax.rl import packing
 from marft_jax.train.prepare import PrepareShapes
@@ -46,9 +47,22 @@ class RunState:
         """The three packed-shape policies by their checkpoint names."""
         return {"update": self.update, "features": self.prepare.features, "logprobs": self.prepare.logprobs}
 
-    def configure(self, cfg: ModelConfig, row_multiple: int) -> None:
-        """Tune the shape policies to the model (attention's cost against the linear layers')
-        and the row shards (every class's rows a multiple of ``row_multiple``)."""
+    def configure(self, cfg: ModelConfig, row_multiple: int, tokens_per_call: int | None = None) -> None:
+        """Tune the shape policies to the model (attention's cost against the linear layers';
+        for the forward-only passes with the native whole-row kernel, which skips other
+        segments' keys, the slots alone, in rows of at most ``tokens_per_call`` slots where the
+        units allow) and the row shards (every class's rows a multiple of ``row_multiple``)."""
+        # Forward-only passes pack units end to end when the attention skips other segments' keys
+        # (15 % fewer slots on the reference workload's feature pass). The update keeps rows per
+        # unit: its agents share one shape, so the longer agent's units bound its slots either way,
+        # and the kernel's backward ran ~10 % slower over one long row than over rows of a unit
+        # each (docs/benchmarks.md).
+        segments = cfg.causal_attention == "native" and causal_attention.supports(cfg.head_dim)
+        for policy in (self.prepare.features, self.prepare.logprobs):
+            policy.segment_attention = segments
+            policy.segment_align = causal_attention.SEGMENT_ALIGN if segments else 1
+            if tokens_per_call:
+                policy.max_row_len = min(policy.max_row_len, int(tokens_per_call))
         cost = packing.attention_cost_of(cfg)
         self.update.attention_cost = cost * packing.BACKWARD_ATTENTION_WEIGHT
         for policy in (self.prepare.features, self.prepare.logprobs):
