@@ -159,6 +159,14 @@ def _update_setup(level, seed=0, S=2, B=4, N=2, L=10, K=5, cfg=CFG):
     return base, state, batch, optim
 
 
+def _assert_same_update(ref_state, ref_met, new_state, met):
+    """The packed update's LoRA and metrics equal the padded one's."""
+    for a, b in zip(jax.tree.leaves(ref_state.lora), jax.tree.leaves(new_state.lora)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    for a, b in zip(jax.tree.leaves(ref_met), jax.tree.leaves(met)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("level,classes,L", [("action", None, 10), ("token", None, 10),
                                             ("action", ((4, 64), (2, 96)), 80)])
 def test_packed_update_equals_padded(level, classes, L):
@@ -180,10 +188,7 @@ def test_packed_update_equals_padded(level, classes, L):
     packed_batch = batch.replace(ctx_tokens=None, ctx_valid=None)
     new_state, met = ppo_update(base, copy(state), packed_batch, mask, flag, cfg=CFG, ucfg=ucfg,
                                 packed=jax.tree.map(jnp.asarray, packed))
-    for a, b in zip(jax.tree.leaves(ref_state.lora), jax.tree.leaves(new_state.lora)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
-    for a, b in zip(jax.tree.leaves(ref_met), jax.tree.leaves(met)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4, rtol=1e-4)
+    _assert_same_update(ref_state, ref_met, new_state, met)
     assert not np.allclose(np.asarray(jax.tree.leaves(state.lora)[0]), np.asarray(jax.tree.leaves(new_state.lora)[0]))
 
 
@@ -194,7 +199,7 @@ def test_segment_mode_packs_units_end_to_end():
     lengths snap to sixteenth steps, stay within max_row_len, and a shape one step larger is reused."""
     groups = [[1480, 1300, 1250, 1030], [1400, 1390, 1100, 900]]
     dense = packing.ShapePolicy(attention_cost=1 / 1500).choose(groups)
-    seg = packing.ShapePolicy(attention_cost=1 / 1500, segment_attention=True, segment_align=4)
+    seg = packing.ShapePolicy(attention_cost=0.0, segment_attention=True, segment_align=4)
     shape = seg.choose(groups)
     assert shape == ((1, 5120),)                      # 1,480 + 1,300 + 1,252 + 1,032 = 5,064 -> 5,120
     assert packing.shape_slots(dense) > packing.shape_slots(shape)    # dense: rows of 1,056 + 1,280 + 2 x 1,504
@@ -207,7 +212,7 @@ def test_segment_mode_packs_units_end_to_end():
     long = seg.choose([[1000] * 20])
     assert all(t <= seg.max_row_len for _, t in long) and packing.shape_slots(long) < 1.07 * 20000
     seqs = [np.arange(n, dtype=np.int32) + 1 for n in (37, 50, 23, 64)]
-    pol = packing.ShapePolicy(segment_attention=True, segment_align=4)
+    pol = packing.ShapePolicy(attention_cost=0.0, segment_attention=True, segment_align=4)
     rows, gather = packing.pack_group(seqs, [0] * 4, 1, pol.choose([[len(x) for x in seqs]]), segment_align=4)
     (r,) = rows
     seg_ids = r.segment_ids.ravel()
@@ -232,17 +237,14 @@ def test_segment_mode_update_with_native_attention_equals_padded():
     ref_state, ref_met = ppo_update(base, copy(state), batch, mask, flag, cfg=cfg_xla, ucfg=ucfg)
     perms = packing.minibatch_perms(state.rng, 4, 1, 1)
     host = jax.tree.map(np.asarray, batch)
-    policy = packing.ShapePolicy(segment_attention=True, segment_align=causal_attention.SEGMENT_ALIGN)
+    policy = packing.ShapePolicy(attention_cost=0.0, segment_attention=True, segment_align=causal_attention.SEGMENT_ALIGN)
     packed, stats = packing.pack_update(host.ctx_tokens, host.ctx_valid, host.act_tokens, host.act_valid, perms,
                                         micro_batches=1, policy=policy)
     assert len(stats["shape"]) == 1 and stats["shape"][0][0] == 1            # one row per group
     assert stats["computed_tokens"] <= 1.1 * stats["valid_tokens"] + 2 * 32
     new_state, met = ppo_update(base, copy(state), batch.replace(ctx_tokens=None, ctx_valid=None), mask, flag,
                                 cfg=cfg_native, ucfg=ucfg, packed=jax.tree.map(jnp.asarray, packed))
-    for a, b in zip(jax.tree.leaves(ref_state.lora), jax.tree.leaves(new_state.lora)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
-    for a, b in zip(jax.tree.leaves(ref_met), jax.tree.leaves(met)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-4, rtol=1e-4)
+    _assert_same_update(ref_state, ref_met, new_state, met)
 
 
 def test_pack_update_rejects_bad_micro_batches():

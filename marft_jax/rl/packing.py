@@ -180,7 +180,8 @@ class ShapePolicy:
 
     ``segment_attention``: the attention skips the keys of other segments (the CPU's native
     whole-row kernel, :mod:`marft_jax.models.causal_attention`), so each unit pays its own
-    length² wherever it sits and a shape costs its slots alone: rows hold as many units as fit,
+    length² wherever it sits and a shape costs its slots alone (``attention_cost`` 0, set with
+    it by :meth:`~marft_jax.train.run_state.RunState.configure`): rows hold as many units as fit,
     up to ``max_row_len`` slots (the row's ``[T, T]`` mask), units start at multiples of
     ``segment_align`` (where the kernel's backward may split a row), and row lengths snap to a
     grid of sixteenth steps (:func:`snap_row_len`) with a reuse slack of one step, so a run
@@ -203,16 +204,12 @@ class ShapePolicy:
     seen: list[Shape] = dataclasses.field(default_factory=list)
 
     def row_cost(self, rows: int, row_len: int) -> float:
-        """Relative work of a ``[rows, row_len]`` packed forward (linear layers + dense attention;
-        with ``segment_attention`` the slots alone)."""
-        if self.segment_attention:
-            return float(rows * row_len)
+        """Relative work of a ``[rows, row_len]`` packed forward (linear layers + dense attention)."""
         return rows * row_len * (1.0 + row_len * self.attention_cost)
 
     def slots_of(self, lengths) -> np.ndarray:
-        """The slots units of ``lengths`` tokens take in a row (rounded up to ``segment_align``)."""
-        a = self.segment_align
-        return -(-np.asarray(lengths, np.int64) // a) * a
+        """The slots units of ``lengths`` tokens take in a row (:func:`unit_slots`)."""
+        return unit_slots(lengths, self.segment_align)
 
     def cost(self, shape: Shape) -> float:
         return sum(self.row_cost(r, t) for r, t in shape)
@@ -331,6 +328,11 @@ class ShapePolicy:
 SNAP_STEPS = 16   # segment-mode row lengths: 16 steps per power of two
 
 
+def unit_slots(lengths, segment_align: int = 1) -> np.ndarray:
+    """The slots units of ``lengths`` tokens take in a row: rounded up to ``segment_align``."""
+    return -(-np.asarray(lengths, np.int64) // segment_align) * segment_align
+
+
 def snap_row_len(n: int) -> int:
     """``n`` rounded up to the grid of :data:`SNAP_STEPS` steps per power of two (multiples of
     :data:`ROW_ALIGN`): at most a sixteenth above ``n``; 5,058 -> 5,120."""
@@ -375,7 +377,7 @@ def pack_group(seqs: Sequence[np.ndarray], read_start: Sequence[int], read_count
     if not branches and any(u.branch.any() for u in units):
         raise ValueError("pack_group(branches=False) got units with shared-prefix branches")
     lengths = np.asarray([len(u.tokens) for u in units], np.int64)
-    placed = place_classes(-(-lengths // segment_align) * segment_align, shape)
+    placed = place_classes(unit_slots(lengths, segment_align), shape)
     if placed is None:
         raise ValueError(f"sequences of {sorted(lengths.tolist(), reverse=True)} tokens do not fit the packed "
                          f"shape {format_shape(shape)}")

@@ -55,18 +55,17 @@ class RunState:
         # Forward-only passes pack units end to end when the attention skips other segments' keys
         # (15 % fewer slots on the reference workload's feature pass). The update keeps rows per
         # unit: its agents share one shape, so the longer agent's units bound its slots either way,
-        # and the kernel's backward ran ~10 % slower over one long row than over rows of a unit
+        # and the kernel's backward ran 12-20 % slower over one long row than over rows of a unit
         # each (docs/benchmarks.md).
         segments = cfg.causal_attention == "native" and causal_attention.supports(cfg.head_dim)
+        cost = packing.attention_cost_of(cfg)
+        self.update.attention_cost = cost * packing.BACKWARD_ATTENTION_WEIGHT
         for policy in (self.prepare.features, self.prepare.logprobs):
+            policy.attention_cost = 0.0 if segments else cost * packing.FORWARD_ATTENTION_WEIGHT
             policy.segment_attention = segments
             policy.segment_align = causal_attention.SEGMENT_ALIGN if segments else 1
             if tokens_per_call:
                 policy.max_row_len = min(policy.max_row_len, int(tokens_per_call))
-        cost = packing.attention_cost_of(cfg)
-        self.update.attention_cost = cost * packing.BACKWARD_ATTENTION_WEIGHT
-        for policy in (self.prepare.features, self.prepare.logprobs):
-            policy.attention_cost = cost * packing.FORWARD_ATTENTION_WEIGHT
             # Forward-only passes: length classes save little there and each new shape compiles.
             policy.max_classes = 1
         for policy in self.policies.values():
